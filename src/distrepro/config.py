@@ -1,0 +1,147 @@
+"""Typed schema of the `conf/` tree and composition helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+class OnBadImage(Enum):
+    error = "error"
+    skip = "skip"
+
+
+class StrategyName(Enum):
+    horovod = "horovod"
+    parameter_server = "parameter_server"
+
+
+class PrecisionName(Enum):
+    fp32 = "fp32"
+    mixed_fp16 = "mixed_fp16"
+    mixed_bf16 = "mixed_bf16"
+
+
+class LrDecay(Enum):
+    cosine = "cosine"
+    poly = "poly"
+    step = "step"
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    raw_dir: str = MISSING
+    tfrecord_dir: str = MISSING
+    extract_dir: str = "data/extracted/${data.name}"
+    train_shards: int = MISSING
+    val_shards: int = MISSING
+    num_classes: int = MISSING
+    image_size: int = MISSING
+    val_fraction: float = 0.0
+    on_bad_image: OnBadImage = OnBadImage.error
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    blocks_per_stage: list[int] = MISSING
+    base_width: int = MISSING
+
+
+@dataclass
+class StrategyConfig:
+    name: StrategyName = MISSING
+    num_workers: int = 2
+    num_ps: int = 0
+    hosts: Optional[str] = None
+    controller: str = "gloo"
+    fp16_allreduce: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    name: PrecisionName = MISSING
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = MISSING
+    global_batch_size: int = MISSING
+    base_learning_rate: float = 0.1
+    base_batch_size: int = 256
+    warmup_epochs: int = 0
+    lr_decay: LrDecay = LrDecay.cosine
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.0
+    warmup_steps_excluded: int = 5
+
+
+@dataclass
+class PrepareConfig:
+    processes: int = 0
+    verify: bool = True
+
+
+@dataclass
+class Config:
+    data: DataConfig = MISSING
+    model: ModelConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    seed: int = 0
+    results_dir: str = "results/runs"
+    experiment: Optional[Any] = None
+
+
+ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Compose `conf/config.yaml` with Hydra overrides, as the apps do."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def to_plain(cfg: DictConfig) -> dict:
+    """The resolved config without Hydra's own node, as plain data."""
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    plain.pop("hydra", None)
+    return plain
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`, as MLflow params are named."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def run_name(cfg: DictConfig) -> str:
+    """A readable name that changes whenever anything the run depends on does."""
+    plain = to_plain(cfg)
+    plain.pop("prepare", None)
+    digest = hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
+    return (
+        f"{cfg.data.name}-{cfg.model.name}-{plain['strategy']['name']}"
+        f"-{plain['precision']['name']}-b{cfg.train.global_batch_size}"
+        f"-w{cfg.strategy.num_workers}-{digest[:8]}"
+    )

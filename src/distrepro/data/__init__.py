@@ -1,0 +1,1 @@
+"""Raw image datasets in the ImageNet layout -> ImageNet-schema TFRecords."""
