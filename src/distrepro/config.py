@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -64,7 +64,7 @@ class StrategyConfig:
     name: StrategyName = MISSING
     num_workers: int = 2
     num_ps: int = 0
-    hosts: Optional[str] = None
+    hosts: str | None = None
     controller: str = "gloo"
     fp16_allreduce: bool = False
 
@@ -104,7 +104,7 @@ class Config:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     seed: int = 0
     results_dir: str = "results/runs"
-    experiment: Optional[Any] = None
+    experiment: Any | None = None
 
 
 ConfigStore.instance().store(name="config_schema", node=Config)

@@ -56,7 +56,7 @@ def plan_shards(records: list[Record], num_shards: int, seed: int, key: str) -> 
     shuffled = list(records)
     random.Random(seed).shuffle(shuffled)
     bounds = [round(i * len(shuffled) / num_shards) for i in range(num_shards + 1)]
-    return [shuffled[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [shuffled[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def rgb_jpeg(data: bytes, name: str) -> tuple[bytes, int, int]:
@@ -131,7 +131,10 @@ def records_of(dataset: RawDataset) -> dict[str, list[Record]]:
     texts = dataset.synset_texts
 
     def records(images):
-        return [Record(str(im.path), im.synset, labels[im.synset], texts.get(im.synset, "")) for im in images]
+        return [
+            Record(str(im.path), im.synset, labels[im.synset], texts.get(im.synset, ""))
+            for im in images
+        ]
 
     return {"train": records(dataset.train), "validation": records(dataset.validation)}
 
@@ -163,7 +166,9 @@ def write_dataset(
     context = multiprocessing.get_context("spawn")
     with context.Pool(processes or os.cpu_count()) as pool:
         results = pool.imap(write_shard, tasks)
-        for task, (written, bad) in tqdm(zip(tasks, results), total=len(tasks), desc=f"{name} shards", unit="shard"):
+        for task, (written, bad) in tqdm(
+            zip(tasks, results, strict=True), total=len(tasks), desc=f"{name} shards", unit="shard"
+        ):
             counts[Path(task.out_path).name.split("-")[0]] += written
             skipped.extend(bad)
     remove_stale_shards(out_dir, {Path(t.out_path).name for t in tasks})
@@ -175,7 +180,9 @@ def write_dataset(
             {"label": i + LABEL_OFFSET, "synset": s, "text": dataset.synset_texts.get(s, "")}
             for i, s in enumerate(dataset.synsets)
         ],
-        "splits": {split: {"images": counts[split], "shards": len(plans[split])} for split in SPLITS},
+        "splits": {
+            split: {"images": counts[split], "shards": len(plans[split])} for split in SPLITS
+        },
         "skipped": sorted(skipped),
         "seed": seed,
     }
@@ -184,8 +191,9 @@ def write_dataset(
 
 
 def remove_stale_shards(out_dir: Path, keep: set[str]) -> None:
+    """Drop shards of an earlier shard count and temporaries of a killed run."""
     for split in SPLITS:
-        for path in out_dir.glob(f"{split}-*-of-*"):
+        for path in [*out_dir.glob(f"{split}-*-of-*"), *out_dir.glob(f".{split}-*.tmp")]:
             if path.name not in keep:
                 path.unlink()
 
@@ -211,16 +219,20 @@ def verify_dir(out_dir: Path) -> dict[str, int]:
         for i in range(info["shards"]):
             shard = out_dir / shard_name(split, i, info["shards"])
             for raw in tf.data.TFRecordDataset(str(shard)):
-                example = tf.io.parse_single_example(raw, {
-                    "image/encoded": tf.io.FixedLenFeature([], tf.string),
-                    "image/class/label": tf.io.FixedLenFeature([], tf.int64),
-                })
+                example = tf.io.parse_single_example(
+                    raw,
+                    {
+                        "image/encoded": tf.io.FixedLenFeature([], tf.string),
+                        "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+                    },
+                )
                 label = int(example["image/class/label"])
                 if not low <= label <= high:
                     raise ValueError(f"{shard}: label {label} outside [{low}, {high}]")
                 tf.io.decode_jpeg(example["image/encoded"], channels=3)
                 counts[split] += 1
         if counts[split] != info["images"]:
-            raise ValueError(f"{out_dir}: {split} has {counts[split]} records, metadata says {info['images']}")
+            raise ValueError(
+                f"{out_dir}: {split} has {counts[split]} records, metadata says {info['images']}"
+            )
     return counts
-

@@ -97,7 +97,9 @@ def read_val_labels(raw_dir: Path, filenames: list[str]) -> dict[str, str]:
     kaggle = raw_dir / KAGGLE_VAL_LABELS
     if kaggle.is_file():
         with kaggle.open(newline="") as f:
-            by_id = {row["ImageId"]: row["PredictionString"].split()[0] for row in csv.DictReader(f)}
+            by_id = {
+                row["ImageId"]: row["PredictionString"].split()[0] for row in csv.DictReader(f)
+            }
         missing = [name for name in filenames if Path(name).stem not in by_id]
         if missing:
             raise RawDataError(f"{kaggle}: no label for {missing[:5]}")
@@ -158,9 +160,13 @@ def extract_once(tar_path: Path, dest: Path, nested: bool) -> Path:
 def check_member(tar_path: Path, member: tarfile.TarInfo) -> None:
     name = member.name
     if not (member.isfile() or member.isdir()):
-        raise RawDataError(f"{tar_path}: refusing member {name!r}: links and devices are not allowed")
+        raise RawDataError(
+            f"{tar_path}: refusing member {name!r}: links and devices are not allowed"
+        )
     if os.path.isabs(name) or ".." in Path(name).parts:
-        raise RawDataError(f"{tar_path}: refusing member {name!r}: it would land outside the target")
+        raise RawDataError(
+            f"{tar_path}: refusing member {name!r}: it would land outside the target"
+        )
 
 
 def write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, fileobj=None) -> None:

@@ -1,0 +1,114 @@
+"""Fixtures: fake ILSVRC2012 trees in each accepted form, made on the fly."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+SYNSETS = ["n01440764", "n01443537", "n01484850"]
+TEXTS = {
+    "n01440764": "tench, Tinca tinca",
+    "n01443537": "goldfish",
+    "n01484850": "great white shark",
+}
+PER_CLASS = 4
+
+
+def photo(seed: int, size=(48, 36), mode="RGB") -> Image.Image:
+    """A smooth, photo-like image (gradients + noise), not a flat colour."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    channels = [
+        (np.sin(xx / (3 + c + seed % 5)) + np.cos(yy / (4 + c))) * 60 + 128 for c in range(3)
+    ]
+    pixels = np.stack(channels, axis=-1) + rng.normal(0, 10, (h, w, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).convert(mode)
+
+
+def jpeg_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+def train_images() -> dict[str, dict[str, bytes]]:
+    """synset -> {file name -> bytes}, with ImageNet's odd files in the first class."""
+    images = {}
+    for c, synset in enumerate(SYNSETS):
+        files = {f"{synset}_{i}.JPEG": jpeg_bytes(photo(10 * c + i)) for i in range(PER_CLASS)}
+        images[synset] = files
+    odd = images[SYNSETS[0]]
+    odd[f"{SYNSETS[0]}_cmyk.JPEG"] = jpeg_bytes(photo(91, mode="CMYK"))
+    odd[f"{SYNSETS[0]}_gray.JPEG"] = jpeg_bytes(photo(92, mode="L"))
+    png = io.BytesIO()
+    photo(93).save(png, "PNG")
+    odd[f"{SYNSETS[0]}_png.JPEG"] = png.getvalue()
+    return images
+
+
+def val_images() -> list[tuple[str, str, bytes]]:
+    """(file name, synset, bytes), names in ILSVRC2012_val_NNNNNNNN order."""
+    return [
+        (f"ILSVRC2012_val_{i + 1:08d}.JPEG", SYNSETS[i % len(SYNSETS)], jpeg_bytes(photo(500 + i)))
+        for i in range(6)
+    ]
+
+
+def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+
+
+def make_raw(root: Path, train_form: str, val_form: str) -> Path:
+    """train_form: tar|tree; val_form: sorted|kaggle_tar|lines_flat."""
+    root.mkdir(parents=True)
+    train = train_images()
+    if train_form == "tar":
+        with tarfile.open(root / "ILSVRC2012_img_train.tar", "w") as outer:
+            for synset, files in train.items():
+                inner = io.BytesIO()
+                with tarfile.open(fileobj=inner, mode="w") as tar:
+                    for name, data in files.items():
+                        add_bytes(tar, name, data)
+                add_bytes(outer, f"{synset}.tar", inner.getvalue())
+    else:
+        for synset, files in train.items():
+            write_tree(root / "train" / synset, files)
+    val = val_images()
+    if val_form == "sorted":
+        for name, synset, data in val:
+            write_tree(root / "val" / synset, {name: data})
+    elif val_form == "kaggle_tar":
+        with tarfile.open(root / "ILSVRC2012_img_val.tar", "w") as tar:
+            for name, _, data in val:
+                add_bytes(tar, name, data)
+        rows = "".join(f"{Path(n).stem},{s} 1 2 3 4\n" for n, s, _ in reversed(val))
+        (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + rows)
+    else:
+        write_tree(root / "val", {name: data for name, _, data in val})
+        labels = "".join(f"{s}\n" for _, s, _ in val)
+        (root / "imagenet_2012_validation_synset_labels.txt").write_text(labels)
+    mapping = "".join(f"{s} {t}\n" for s, t in TEXTS.items())
+    (root / "LOC_synset_mapping.txt").write_text(mapping)
+    return root
+
+
+@pytest.fixture
+def raw_factory(tmp_path):
+    def factory(train_form="tree", val_form="sorted", name="raw"):
+        return make_raw(tmp_path / name, train_form, val_form)
+
+    return factory
