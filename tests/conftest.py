@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -112,3 +116,33 @@ def raw_factory(tmp_path):
         return make_raw(tmp_path / name, train_form, val_form)
 
     return factory
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def copy_repo(dest: Path) -> Path:
+    """The committed-or-tracked files of this repository, as a fresh git repo."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in files:
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    return dest
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run a project command with the venv first on PATH; fail with its output."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (
+        f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    return result

@@ -20,6 +20,7 @@ from PIL import Image as PILImage
 from tqdm import tqdm
 
 from distrepro.data.raw import RawDataset
+from distrepro.data.tfrecord import example, write_record
 
 LABEL_OFFSET = 1  # labels are 1-based over the sorted synsets; 0 is background
 SPLITS = ("train", "validation")
@@ -76,40 +77,29 @@ def rgb_jpeg(data: bytes, name: str) -> tuple[bytes, int, int]:
 
 
 def to_example(record: Record, encoded: bytes, height: int, width: int) -> bytes:
-    import tensorflow as tf
-
-    def b(value: str | bytes) -> tf.train.Feature:
-        value = value.encode() if isinstance(value, str) else value
-        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value]))
-
-    def i(value: int) -> tf.train.Feature:
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=[value]))
-
-    features = {
-        "image/encoded": b(encoded),
-        "image/format": b("JPEG"),
-        "image/colorspace": b("RGB"),
-        "image/channels": i(3),
-        "image/height": i(height),
-        "image/width": i(width),
-        "image/filename": b(Path(record.path).name),
-        "image/class/label": i(record.label),
-        "image/class/synset": b(record.synset),
-        "image/class/text": b(record.text),
-    }
-    example = tf.train.Example(features=tf.train.Features(feature=features))
-    return example.SerializeToString(deterministic=True)
+    return example(
+        {
+            "image/encoded": encoded,
+            "image/format": "JPEG",
+            "image/colorspace": "RGB",
+            "image/channels": 3,
+            "image/height": height,
+            "image/width": width,
+            "image/filename": Path(record.path).name,
+            "image/class/label": record.label,
+            "image/class/synset": record.synset,
+            "image/class/text": record.text,
+        }
+    )
 
 
 def write_shard(task: ShardTask) -> tuple[int, list[str]]:
     """Write one shard atomically; return (records written, skipped files)."""
-    import tensorflow as tf
-
     out = Path(task.out_path)
     tmp = out.with_name(f".{out.name}.tmp")
     written, skipped = 0, []
     try:
-        with tf.io.TFRecordWriter(str(tmp)) as writer:
+        with open(tmp, "wb") as writer:
             for record in task.records:
                 try:
                     encoded, height, width = rgb_jpeg(Path(record.path).read_bytes(), record.path)
@@ -118,7 +108,7 @@ def write_shard(task: ShardTask) -> tuple[int, list[str]]:
                         raise
                     skipped.append(record.path)
                     continue
-                writer.write(to_example(record, encoded, height, width))
+                write_record(writer, to_example(record, encoded, height, width))
                 written += 1
         os.replace(tmp, out)
     finally:
