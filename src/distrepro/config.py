@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -49,6 +49,8 @@ class DataConfig:
     num_classes: int = MISSING
     image_size: int = MISSING
     val_fraction: float = 0.0
+    random_flip: bool = True
+    min_crop_area: float = 0.08
     on_bad_image: OnBadImage = OnBadImage.error
 
 
@@ -64,9 +66,10 @@ class StrategyConfig:
     name: StrategyName = MISSING
     num_workers: int = 2
     num_ps: int = 0
-    hosts: str | None = None
+    hosts: Optional[str] = None
     controller: str = "gloo"
     fp16_allreduce: bool = False
+    steps_per_call: int = 10
 
 
 @dataclass
@@ -86,6 +89,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     label_smoothing: float = 0.0
     warmup_steps_excluded: int = 5
+    steps_per_epoch: Optional[int] = None
 
 
 @dataclass
@@ -104,7 +108,9 @@ class Config:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     seed: int = 0
     results_dir: str = "results/runs"
-    experiment: Any | None = None
+    mlflow_experiment: str = "distrepro"
+    mlflow_parent_run_id: Optional[str] = None
+    experiment: Optional[Any] = None
 
 
 ConfigStore.instance().store(name="config_schema", node=Config)

@@ -1,0 +1,171 @@
+"""Hydra app: turn a composed config into training processes.
+
+`strategy=horovod` runs horovodrun; `strategy=parameter_server` starts the
+ps and worker servers on free 127.0.0.1 ports and the coordinator, and stops
+them all by pid when training ends, fails or is interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from distrepro.config import run_name, to_plain
+from distrepro.tracking import ensure_experiment
+
+BIN = Path(sys.executable).parent
+
+
+class ConfigError(ValueError):
+    """A config that cannot train; the message names the key and value."""
+
+
+def validate(cfg: DictConfig) -> None:
+    train, strategy = cfg.train, cfg.strategy
+    if train.epochs < 1:
+        raise ConfigError(f"train.epochs={train.epochs} must be at least 1")
+    if strategy.num_workers < 1:
+        raise ConfigError(f"strategy.num_workers={strategy.num_workers} must be at least 1")
+    if train.global_batch_size % strategy.num_workers:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} does not divide by "
+            f"strategy.num_workers={strategy.num_workers}"
+        )
+    if strategy.name.value == "parameter_server" and strategy.num_ps < 1:
+        raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
+    metadata = Path(cfg.data.tfrecord_dir) / "metadata.json"
+    if not metadata.is_file():
+        raise ConfigError(
+            f"data.tfrecord_dir={cfg.data.tfrecord_dir!r} holds no finished TFRecords "
+            f"({metadata} is missing): run `python -m distrepro.prepare data={cfg.data.name}`"
+        )
+
+
+def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
+    run_dir = Path(cfg.results_dir) / run_name(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_plain(cfg))))
+    command = ["python", "-m", "distrepro.launch", *overrides]
+    (run_dir / "command").write_text(shlex.join(command) + "\n")
+    return run_dir
+
+
+def horovod_command(cfg: DictConfig, config_path: Path) -> list[str]:
+    n = cfg.strategy.num_workers
+    controller = "--mpi" if cfg.strategy.controller == "mpi" else "--gloo"
+    hosts = cfg.strategy.hosts or f"localhost:{n}"
+    program = [sys.executable, "-m", "distrepro.horovod_train", str(config_path)]
+    return [str(BIN / "horovodrun"), "-np", str(n), "-H", hosts, controller, *program]
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM each process group, then SIGKILL what is left after 5 s."""
+    for proc in processes:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    for proc in processes:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def supervise(main: subprocess.Popen, helpers: list[subprocess.Popen]) -> int:
+    """Wait for main; a helper that dies first fails the run."""
+    while main.poll() is None:
+        dead = [p for p in helpers if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"task pid {dead[0].pid} exited with {dead[0].returncode}")
+        time.sleep(0.2)
+    return main.returncode
+
+
+def run_parameter_server(cfg: DictConfig, config_path: Path) -> int:
+    n, m = cfg.strategy.num_workers, cfg.strategy.num_ps
+    ports = free_ports(n + m)
+    cluster = {
+        "worker": [f"127.0.0.1:{p}" for p in ports[:n]],
+        "ps": [f"127.0.0.1:{p}" for p in ports[n:]],
+    }
+    env = {"DISTREPRO_CLUSTER": json.dumps(cluster), "GRPC_FAIL_FAST": "use_caller"}
+    threads = str(max(1, (os.cpu_count() or 1) // (n + m + 1)))
+    tasks = [("worker", i) for i in range(n)] + [("ps", i) for i in range(m)]
+    processes = []
+    try:
+        for job, index in tasks:
+            server = [sys.executable, "-m", "distrepro.ps_server", job, str(index), threads]
+            processes.append(start(server, env))
+        coordinator = start([sys.executable, "-m", "distrepro.ps_train", str(config_path)], env)
+        processes.append(coordinator)
+        return supervise(coordinator, processes[:-1])
+    finally:
+        stop(processes)
+
+
+def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
+    """Validate, write the run directory, train; return the run directory."""
+    validate(cfg)
+    run_dir = prepare_run_dir(cfg, list(overrides))
+    if (run_dir / "metrics.json").exists():
+        print(f"{run_dir} is complete; nothing to do")
+        return run_dir
+    ensure_experiment(cfg.mlflow_experiment)
+    config_path = run_dir / "config.yaml"
+    if cfg.strategy.name.value == "horovod":
+        proc = start(horovod_command(cfg, config_path))
+        try:
+            code = proc.wait()
+        finally:
+            stop([proc])
+    else:
+        code = run_parameter_server(cfg, config_path)
+    if code != 0:
+        raise RuntimeError(f"training of {run_dir} failed with exit code {code}")
+    return run_dir
+
+
+@hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        run_dir = launch(cfg, list(HydraConfig.get().overrides.task))
+    except ConfigError as error:
+        raise SystemExit(f"launch: {error}") from None
+    print(
+        json.dumps(
+            {
+                k: v
+                for k, v in json.loads((run_dir / "metrics.json").read_text()).items()
+                if k != "history"
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

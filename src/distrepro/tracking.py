@@ -1,0 +1,83 @@
+"""MLflow: one run per training, resumed by id, with what reruns it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import mlflow
+import yaml
+
+from distrepro.config import flatten
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("tensorflow", "tf_keras", "horovod", "mlflow", "snakemake", "dvc", "hydra-core")
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO / 'mlflow.db'}"
+
+
+def ensure_experiment(name: str) -> str:
+    """Create the store and the experiment (one upstream step avoids SQLite races)."""
+    mlflow.set_tracking_uri(tracking_uri())
+    experiment = mlflow.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else mlflow.create_experiment(name)
+
+
+def git_commit() -> str:
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", "HEAD").strip() or "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def dvc_hash(tfrecord_dir: str) -> str:
+    """The TFRecords' content hash as dvc.lock records it."""
+    lock = REPO / "dvc.lock"
+    if not lock.exists():
+        return "untracked"
+    target = os.path.relpath(Path(tfrecord_dir).resolve(), REPO)
+    for stage in yaml.safe_load(lock.read_text())["stages"].values():
+        for out in stage.get("outs", []):
+            if out["path"] == target:
+                return out["md5"]
+    return "untracked"
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[f"version.{name}"] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[f"version.{name}"] = "absent"
+    return found
+
+
+def start_run(plain_cfg: dict, run_dir: Path, extra_params: dict) -> str:
+    """Start the run, or resume it when run_dir already names one."""
+    id_file = run_dir / "mlflow_run_id"
+    experiment_id = ensure_experiment(plain_cfg["mlflow_experiment"])
+    if id_file.exists():
+        return mlflow.start_run(run_id=id_file.read_text().strip()).info.run_id
+    tags = {
+        "strategy": plain_cfg["strategy"]["name"],
+        "git_commit": git_commit(),
+        "dvc_tfrecords_md5": dvc_hash(plain_cfg["data"]["tfrecord_dir"]),
+        "hardware": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or '?'}",
+        "command": (run_dir / "command").read_text().strip(),
+        **versions(),
+    }
+    parent = plain_cfg.get("mlflow_parent_run_id")
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_dir.name, tags=tags)
+    mlflow.log_params({**flatten(plain_cfg), **extra_params})
+    mlflow.log_artifact(str(run_dir / "config.yaml"))
+    id_file.write_text(run.info.run_id)
+    return run.info.run_id

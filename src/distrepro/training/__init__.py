@@ -1,0 +1,1 @@
+"""The training core shared by both strategies, and the two strategies."""

@@ -1,0 +1,247 @@
+"""What both strategies share: precision, schedule, optimizer, loss, step,
+evaluation, checkpoints and the run's files. A strategy adds only how steps
+are distributed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import tensorflow as tf
+import tf_keras as keras
+
+from distrepro.data.convert import write_json_atomically
+
+POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
+STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
+
+
+def set_threads(processes_on_host: int) -> int:
+    """Give each of the processes sharing this host its share of the cores."""
+    threads = max(1, (os.cpu_count() or 1) // processes_on_host)
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return threads
+
+
+def set_precision(name: str) -> None:
+    keras.mixed_precision.set_global_policy(POLICIES[name])
+
+
+class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup to `peak`, then cosine, polynomial (power 2) or step decay."""
+
+    def __init__(self, peak: float, warmup: int, total: int, decay: str):
+        self.peak, self.warmup, self.total, self.decay = peak, warmup, total, decay
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        warm = self.peak * (step + 1) / max(1, self.warmup)
+        progress = tf.clip_by_value(
+            (step - self.warmup) / max(1, self.total - self.warmup), 0.0, 1.0
+        )
+        if self.decay == "cosine":
+            decayed = self.peak * 0.5 * (1 + tf.cos(math.pi * progress))
+        elif self.decay == "poly":
+            decayed = self.peak * (1 - progress) ** 2
+        else:
+            drops = sum(tf.cast(progress >= at, tf.float32) for at in STEP_DECAY_AT)
+            decayed = self.peak * 0.1**drops
+        return tf.where(step < self.warmup, warm, decayed)
+
+    def get_config(self):
+        return {"peak": self.peak, "warmup": self.warmup, "total": self.total, "decay": self.decay}
+
+
+def make_optimizer(cfg, batch_per_update: int, updates_per_epoch: int):
+    """SGD with momentum; learning rate scaled linearly with the update's batch."""
+    train = cfg.train
+    peak = train.base_learning_rate * batch_per_update / train.base_batch_size
+    schedule = WarmupDecay(
+        peak,
+        train.warmup_epochs * updates_per_epoch,
+        train.epochs * updates_per_epoch,
+        str(train.lr_decay),
+    )
+    optimizer = keras.optimizers.SGD(schedule, momentum=train.momentum)
+    if str(cfg.precision.name) == "mixed_fp16":
+        optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)  # dynamic
+    return optimizer
+
+
+class Trainer:
+    """One model's loss, training step and evaluation, strategy-agnostic."""
+
+    def __init__(self, cfg, model: keras.Model, optimizer, num_classes: int):
+        self.model, self.optimizer, self.num_classes = model, optimizer, num_classes
+        self.label_smoothing = cfg.train.label_smoothing
+        self.weight_decay = cfg.train.weight_decay
+        self.scaled = isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+        self.train_loss = keras.metrics.Mean("train_loss")
+        self.train_accuracy = keras.metrics.SparseCategoricalAccuracy("train_accuracy")
+
+    def loss(self, labels, logits):
+        onehot = tf.one_hot(labels, self.num_classes)
+        per_example = keras.losses.categorical_crossentropy(
+            onehot, logits, from_logits=True, label_smoothing=self.label_smoothing
+        )
+        decay = tf.add_n(
+            [tf.nn.l2_loss(v) for v in self.model.trainable_variables if "kernel" in v.name]
+        )
+        return tf.reduce_mean(per_example) + self.weight_decay * tf.cast(decay, tf.float32)
+
+    def step(self, images, labels, wrap_tape: Callable = lambda tape: tape):
+        """One update from one batch; wrap_tape lets Horovod average gradients."""
+        with tf.GradientTape() as tape:
+            logits = self.model(images, training=True)
+            loss = self.loss(labels, logits)
+            scaled = self.optimizer.get_scaled_loss(loss) if self.scaled else loss
+        variables = self.model.trainable_variables
+        gradients = wrap_tape(tape).gradient(scaled, variables)
+        if self.scaled:
+            gradients = self.optimizer.get_unscaled_gradients(gradients)
+        self.optimizer.apply_gradients(zip(gradients, variables, strict=True))
+        self.train_loss.update_state(loss)
+        self.train_accuracy.update_state(labels, logits)
+        return loss
+
+    def reset_metrics(self):
+        self.train_loss.reset_state()
+        self.train_accuracy.reset_state()
+
+    def count_correct(self, dataset) -> tf.Tensor:
+        """[top-1 correct, top-5 correct, images] over a dataset."""
+        totals = tf.zeros([3], tf.float64)
+        for images, labels in dataset:
+            totals += self._batch_counts(images, labels)
+        return totals
+
+    @tf.function
+    def _batch_counts(self, images, labels):
+        logits = self.model(images, training=False)
+        k = min(5, self.num_classes)
+        top1 = tf.math.in_top_k(labels, logits, 1)
+        top5 = tf.math.in_top_k(labels, logits, k)
+        counts = [tf.reduce_sum(tf.cast(t, tf.float64)) for t in (top1, top5)]
+        return tf.stack(counts + [tf.cast(tf.size(labels), tf.float64)])
+
+
+class RunFiles:
+    """results/runs/<run>/: checkpoints, per-epoch history, metrics.json."""
+
+    def __init__(self, run_dir: Path, model, optimizer, is_chief: bool):
+        self.run_dir, self.is_chief = run_dir, is_chief
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=self.epoch)
+        self.manager = tf.train.CheckpointManager(checkpoint, run_dir / "checkpoints", 2)
+        self.history_path = run_dir / "history.json"
+
+    def restore(self) -> list[dict]:
+        """Restore the last checkpoint, if any; return the history up to it."""
+        if self.manager.latest_checkpoint:
+            self.manager.checkpoint.restore(self.manager.latest_checkpoint)
+        if not self.history_path.exists():
+            return []
+        return json.loads(self.history_path.read_text())[: int(self.epoch.numpy())]
+
+    def end_epoch(self, history: list[dict]) -> None:
+        """History first, then the checkpoint that makes the epoch count."""
+        self.epoch.assign(len(history))
+        if self.is_chief:
+            write_json_atomically(self.history_path, history)
+            self.manager.save(checkpoint_number=len(history))
+
+    def write_metrics(self, cfg, history: list[dict], mlflow_run_id: str) -> dict:
+        rates = [h["images_per_sec"] for h in history]
+        metrics = {
+            "run_name": self.run_dir.name,
+            "strategy": str(cfg.strategy.name),
+            "precision": str(cfg.precision.name),
+            "model": cfg.model.name,
+            "dataset": cfg.data.name,
+            "global_batch_size": cfg.train.global_batch_size,
+            "num_workers": cfg.strategy.num_workers,
+            "num_ps": cfg.strategy.num_ps,
+            "epochs": len(history),
+            "images_per_sec": sum(rates) / len(rates),
+            "total_time_s": sum(h["epoch_time_s"] for h in history),
+            "top1": history[-1]["val_top1"],
+            "top5": history[-1]["val_top5"],
+            "best_top1": max(h["val_top1"] for h in history),
+            "final_checkpoint": self.manager.latest_checkpoint,
+            "mlflow_run_id": mlflow_run_id,
+            "history": history,
+        }
+        write_json_atomically(self.run_dir / "metrics.json", metrics)
+        return metrics
+
+
+def train_loop(
+    cfg,
+    trainer: Trainer,
+    files: RunFiles,
+    run_updates: Callable[[int], None],
+    count_correct: Callable[[], tf.Tensor],
+    images_per_update: int,
+    updates_per_epoch: int,
+    warmup: int,
+) -> list[dict]:
+    """Epochs from the last checkpoint on; the chief logs to MLflow and prints.
+
+    The first `warmup` updates of each epoch are left out of images/s."""
+    import mlflow
+
+    history = files.restore()
+    for epoch in range(len(history), cfg.train.epochs):
+        trainer.reset_metrics()
+        start = tf.timestamp()
+        run_updates(warmup)
+        timed_start = tf.timestamp()
+        run_updates(updates_per_epoch - warmup)
+        end = tf.timestamp()
+        top1, top5, images = count_correct().numpy()
+        record = {
+            "epoch": epoch + 1,
+            "train_loss": float(trainer.train_loss.result()),
+            "train_accuracy": float(trainer.train_accuracy.result()),
+            "val_top1": float(top1 / images),
+            "val_top5": float(top5 / images),
+            "images_per_sec": float(
+                (updates_per_epoch - warmup) * images_per_update / (end - timed_start)
+            ),
+            "epoch_time_s": float(end - start),
+        }
+        history.append(record)
+        files.end_epoch(history)
+        if files.is_chief:
+            mlflow.log_metrics({k: v for k, v in record.items() if k != "epoch"}, step=epoch + 1)
+            print(
+                f"epoch {epoch + 1}/{cfg.train.epochs}  loss {record['train_loss']:.3f}  "
+                f"top-1 {record['val_top1']:.3f}  top-5 {record['val_top5']:.3f}  "
+                f"{record['images_per_sec']:.1f} img/s  {record['epoch_time_s']:.1f} s",
+                flush=True,
+            )
+    return history
+
+
+def finish(cfg, files: RunFiles, history: list[dict], run_id: str) -> dict:
+    """The chief's end of a run: metrics.json, final MLflow metrics, end the run."""
+    import mlflow
+
+    metrics = files.write_metrics(cfg, history, run_id)
+    mlflow.log_metrics(
+        {k: metrics[k] for k in ("images_per_sec", "total_time_s", "top1", "top5", "best_top1")}
+    )
+    mlflow.log_artifact(str(files.run_dir / "metrics.json"))
+    mlflow.end_run()
+    return metrics
+
+
+def epoch_plan(cfg, num_train: int, batch_per_update: int) -> int:
+    """Updates per epoch: one pass over the train set, or train.steps_per_epoch."""
+    if cfg.train.steps_per_epoch:
+        return cfg.train.steps_per_epoch
+    return max(1, num_train // batch_per_update)

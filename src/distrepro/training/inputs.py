@@ -1,0 +1,107 @@
+"""Input pipeline over ImageNet-schema TFRecords.
+
+list files -> shard by worker -> interleave records -> parse ->
+decode-and-crop -> augment -> batch -> prefetch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tensorflow as tf
+
+MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+EVAL_CROP_FRACTION = 0.875
+
+
+def read_metadata(tfrecord_dir: str) -> dict:
+    path = Path(tfrecord_dir) / "metadata.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"data.tfrecord_dir={tfrecord_dir!r} has no metadata.json: "
+            "run `python -m distrepro.prepare` (or `dvc repro`) first"
+        )
+    return json.loads(path.read_text())
+
+
+def shard_files(tfrecord_dir: str, split: str, index: int, count: int) -> list[str]:
+    """This worker's files; every worker gets at least one when there are enough."""
+    files = sorted(str(p) for p in Path(tfrecord_dir).glob(f"{split}-*-of-*"))
+    return files[index::count] if len(files) >= count else files
+
+
+def parse(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    features = tf.io.parse_single_example(
+        record,
+        {
+            "image/encoded": tf.io.FixedLenFeature([], tf.string),
+            "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+        },
+    )
+    return features["image/encoded"], tf.cast(features["image/class/label"], tf.int32) - 1
+
+
+def random_crop(encoded: tf.Tensor, size: int, min_area: float, flip: bool) -> tf.Tensor:
+    """Random-resized crop (decoding only the crop), then an optional flip."""
+    shape = tf.image.extract_jpeg_shape(encoded)
+    begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
+        shape,
+        bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
+        min_object_covered=0.1,
+        aspect_ratio_range=(3 / 4, 4 / 3),
+        area_range=(min_area, 1.0),
+        max_attempts=10,
+        use_image_if_no_bounding_boxes=True,
+    )
+    window = tf.stack([begin[0], begin[1], crop_size[0], crop_size[1]])
+    image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
+    image = tf.image.resize(image, [size, size])
+    return tf.image.random_flip_left_right(image) if flip else image
+
+
+def center_crop(encoded: tf.Tensor, size: int) -> tf.Tensor:
+    """Resize the shorter side to size / 0.875, then take the central square."""
+    image = tf.cast(tf.io.decode_jpeg(encoded, channels=3), tf.float32)
+    shape = tf.cast(tf.shape(image)[:2], tf.float32)
+    scale = size / EVAL_CROP_FRACTION / tf.reduce_min(shape)
+    image = tf.image.resize(image, tf.cast(tf.round(shape * scale), tf.int32))
+    return tf.image.resize_with_crop_or_pad(image, size, size)
+
+
+def normalize(image: tf.Tensor) -> tf.Tensor:
+    return (image - MEAN_RGB) / STDDEV_RGB
+
+
+def make_dataset(
+    data_cfg, split: str, batch_size: int, index: int = 0, count: int = 1, seed: int = 0
+) -> tf.data.Dataset:
+    """Batches of (normalized image, 0-based label) for worker `index` of `count`."""
+    training = split == "train"
+    files = tf.data.Dataset.from_tensor_slices(
+        shard_files(data_cfg.tfrecord_dir, split, index, count)
+    )
+    if training:
+        files = files.shuffle(len(files), seed=seed + index).repeat()
+    records = files.interleave(
+        tf.data.TFRecordDataset,
+        cycle_length=4,
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=not training,
+    )
+    if training:
+        records = records.shuffle(1024, seed=seed + index)
+
+    def preprocess(record):
+        encoded, label = parse(record)
+        if training:
+            image = random_crop(
+                encoded, data_cfg.image_size, data_cfg.min_crop_area, data_cfg.random_flip
+            )
+        else:
+            image = center_crop(encoded, data_cfg.image_size)
+        return normalize(image), label
+
+    batches = records.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE)
+    return batches.batch(batch_size, drop_remainder=training).prefetch(tf.data.AUTOTUNE)
