@@ -152,6 +152,9 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
 
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    # SIGTERM (timeout, Snakemake, a scheduler) unwinds like Ctrl-C, so the
+    # tasks this launcher started are stopped by its `finally` blocks.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         run_dir = launch(cfg, list(HydraConfig.get().overrides.task))
     except ConfigError as error:

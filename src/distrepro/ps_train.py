@@ -58,7 +58,10 @@ def main(config_path: str) -> None:
             cfg.seed,
         )
 
-    train_batches = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    train_batches = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
     val_batches = make_dataset(cfg.data, "validation", per_worker)
 
     @tf.function

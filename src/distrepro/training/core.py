@@ -20,10 +20,13 @@ STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
 
 
 def set_threads(processes_on_host: int) -> int:
-    """Give each of the processes sharing this host its share of the cores."""
+    """Give each of the processes sharing this host its share of the cores.
+
+    The inter-op pool keeps one thread more: a pool of one deadlocks on a
+    blocking op (an iterator's GetNext) inside a loop."""
     threads = max(1, (os.cpu_count() or 1) // processes_on_host)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads + 1)
     return threads
 
 

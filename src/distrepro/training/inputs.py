@@ -79,11 +79,10 @@ def make_dataset(
 ) -> tf.data.Dataset:
     """Batches of (normalized image, 0-based label) for worker `index` of `count`."""
     training = split == "train"
-    files = tf.data.Dataset.from_tensor_slices(
-        shard_files(data_cfg.tfrecord_dir, split, index, count)
-    )
+    names = shard_files(data_cfg.tfrecord_dir, split, index, count)
+    files = tf.data.Dataset.from_tensor_slices(names)
     if training:
-        files = files.shuffle(len(files), seed=seed + index).repeat()
+        files = files.shuffle(len(names), seed=seed + index).repeat()
     records = files.interleave(
         tf.data.TFRecordDataset,
         cycle_length=4,
