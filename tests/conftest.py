@@ -146,3 +146,39 @@ def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.Completed
         f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     )
     return result
+
+
+@pytest.fixture(scope="session")
+def digits_tfrecords(tmp_path_factory) -> Path:
+    """The embedded digits, prepared once for the session's training tests."""
+    from distrepro.config import compose_config
+    from distrepro.digits import write_digits
+    from distrepro.prepare import prepare
+
+    root = tmp_path_factory.mktemp("digits")
+    cfg = compose_config(
+        [f"data.raw_dir={root / 'raw'}", f"data.tfrecord_dir={root / 'tfrecords'}"]
+    )
+    write_digits(root / "raw", cfg.data.image_size, cfg.data.val_fraction, cfg.seed)
+    prepare(cfg)
+    return root / "tfrecords"
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, monkeypatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def training_processes() -> list:
+    """Training processes of this package still alive on the machine."""
+    import psutil
+
+    names = ("distrepro.ps_server", "distrepro.ps_train", "distrepro.horovod_train")
+    alive = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if any(name in cmdline for name in names):
+            alive.append(proc)
+    return alive

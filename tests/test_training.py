@@ -1,0 +1,189 @@
+"""Training: both strategies on digits, Horovod averaging, bad configs,
+resume after a kill, no process left behind, mixed precision."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from conftest import REPO, training_processes
+from omegaconf import errors as omegaconf_errors
+
+from distrepro.config import compose_config, run_name
+from distrepro.launch import ConfigError, validate
+
+PYTHON = sys.executable
+HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
+
+
+def launch_args(tfrecords: Path, results: Path, *overrides: str) -> list[str]:
+    return [
+        PYTHON,
+        "-m",
+        "distrepro.launch",
+        f"data.tfrecord_dir={tfrecords}",
+        f"results_dir={results}",
+        *overrides,
+    ]
+
+
+def launch(tfrecords: Path, results: Path, *overrides: str) -> dict:
+    args = launch_args(tfrecords, results, *overrides)
+    subprocess.run(args, check=True, cwd=REPO, timeout=900)
+    (run_dir,) = [p for p in results.iterdir() if (p / "metrics.json").exists()]
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "parameter_server"])
+def test_both_strategies_learn_digits_far_above_chance(
+    digits_tfrecords, tmp_path, mlflow_uri, strategy
+):
+    metrics = launch(digits_tfrecords, tmp_path / "runs", f"strategy={strategy}", "train.epochs=6")
+    assert metrics["strategy"] == strategy and metrics["num_workers"] == 2
+    assert metrics["top1"] >= 0.90, metrics["history"]
+    assert metrics["epochs"] == 6 and len(metrics["history"]) == 6
+    assert metrics["images_per_sec"] > 0 and metrics["total_time_s"] > 0
+    run = mlflow.MlflowClient(mlflow_uri).get_run(metrics["mlflow_run_id"])
+    assert run.data.params["strategy.name"] == strategy
+    assert run.data.params["train.global_batch_size"] == "64"
+    assert run.data.tags["strategy"] == strategy
+    assert run.data.tags["command"].startswith("python -m distrepro.launch")
+    assert math.isclose(run.data.metrics["top1"], metrics["top1"])
+    history = mlflow.MlflowClient(mlflow_uri).get_metric_history(run.info.run_id, "val_top1")
+    assert [m.step for m in history] == list(range(1, 7))
+    assert not training_processes()
+
+
+def test_horovod_two_ranks_average_like_one_process_with_twice_the_batch(
+    digits_tfrecords, tmp_path
+):
+    script = str(REPO / "tests" / "hvd_first_step.py")
+    for n in (1, 2):
+        cmd = [HOROVODRUN, "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
+        out = str(tmp_path / f"np{n}.npz")
+        subprocess.run([*cmd, PYTHON, script, str(digits_tfrecords), "16", out], check=True)
+    one, two = np.load(tmp_path / "np1.npz"), np.load(tmp_path / "np2.npz")
+    initial_change = 0.0
+    for key in one.files:
+        np.testing.assert_allclose(one[key], two[key], rtol=1e-4, atol=1e-5)
+        initial_change += float(np.abs(one[key]).sum())
+    assert initial_change > 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.global_batch_size=65"], "train.global_batch_size=65 does not divide"),
+        (["train.epochs=0"], "train.epochs=0"),
+        (["data.tfrecord_dir=/nonexistent/tfrecords"], "data.tfrecord_dir='/nonexistent"),
+        (["strategy=parameter_server", "strategy.num_ps=0"], "strategy.num_ps=0"),
+    ],
+)
+def test_bad_configs_are_refused_before_any_process(digits_tfrecords, overrides, message):
+    cfg = compose_config([f"data.tfrecord_dir={digits_tfrecords}", *overrides])
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("/", "/")):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("override", ["strategy=allreduce", "train.epochs=many", "train.epoch=3"])
+def test_unknown_choices_and_wrong_types_fail_at_composition(override):
+    with pytest.raises((omegaconf_errors.OmegaConfBaseException, Exception)) as error:
+        compose_config([override])
+    assert override.split("=")[0].split(".")[-1] in str(error.value)
+
+
+def test_bad_config_on_the_command_line_fails_in_seconds(tmp_path):
+    start = time.monotonic()
+    result = subprocess.run(
+        launch_args(tmp_path / "missing", tmp_path / "runs"), capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "data.tfrecord_dir=" in result.stderr and "metadata.json" in result.stderr
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "runs").exists() and not training_processes()
+
+
+def test_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(
+    digits_tfrecords, tmp_path, mlflow_uri
+):
+    results = tmp_path / "runs"
+    args = launch_args(digits_tfrecords, results, "train.epochs=3")
+    proc = subprocess.Popen(args, cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(results.glob("*/checkpoints/ckpt-1.index")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for leftover in training_processes():
+        leftover.kill()
+    (run_dir,) = results.iterdir()
+    assert not (run_dir / "metrics.json").exists()
+    first_id = (run_dir / "mlflow_run_id").read_text()
+
+    metrics = launch(digits_tfrecords, results, "train.epochs=3")
+    assert metrics["mlflow_run_id"] == first_id
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3]
+    client = mlflow.MlflowClient(mlflow_uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
+    runs = client.search_runs([experiment.experiment_id])
+    assert [r.info.run_id for r in runs] == [first_id]
+    assert runs[0].info.status == "FINISHED"
+
+
+def test_parameter_server_launcher_stops_its_tasks_on_failure_and_sigint(
+    digits_tfrecords, tmp_path, mlflow_uri
+):
+    empty = tmp_path / "no-shards"
+    empty.mkdir()
+    (empty / "metadata.json").write_text((digits_tfrecords / "metadata.json").read_text())
+    failed = subprocess.run(
+        launch_args(empty, tmp_path / "failed", "strategy=parameter_server"), cwd=REPO
+    )
+    assert failed.returncode != 0
+    assert not training_processes()
+
+    results = tmp_path / "interrupted"
+    args = launch_args(digits_tfrecords, results, "strategy=parameter_server")
+    proc = subprocess.Popen(args, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(results.glob("*/mlflow_run_id")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(training_processes()) == 4  # 2 workers, 1 ps, the coordinator
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        proc.kill()
+    assert not training_processes()
+
+
+@pytest.mark.parametrize("precision", ["mixed_fp16", "mixed_bf16"])
+def test_mixed_precision_trains_a_few_steps(digits_tfrecords, tmp_path, mlflow_uri, precision):
+    metrics = launch(
+        digits_tfrecords,
+        tmp_path / "runs",
+        f"precision={precision}",
+        "strategy.num_workers=1",
+        "train.epochs=1",
+        "train.steps_per_epoch=4",
+        "train.warmup_steps_excluded=1",
+    )
+    assert metrics["precision"] == precision
+    assert math.isfinite(metrics["history"][0]["train_loss"])
+
+
+def test_run_name_changes_with_any_value():
+    base = run_name(compose_config([]))
+    assert base == run_name(compose_config([]))
+    assert base != run_name(compose_config(["train.weight_decay=0.0"]))
