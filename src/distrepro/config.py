@@ -70,6 +70,7 @@ class StrategyConfig:
     controller: str = "gloo"
     fp16_allreduce: bool = False
     steps_per_call: int = 10
+    gpus_per_worker: int = 0
 
 
 @dataclass
@@ -99,6 +100,12 @@ class PrepareConfig:
 
 
 @dataclass
+class ReportConfig:
+    runs: list[str] = field(default_factory=list)
+    out_dir: str = "results/report"
+
+
+@dataclass
 class Config:
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
@@ -106,6 +113,7 @@ class Config:
     precision: PrecisionConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     seed: int = 0
     results_dir: str = "results/runs"
     mlflow_experiment: str = "distrepro"
@@ -118,8 +126,13 @@ ConfigStore.instance().store(name="config_schema", node=Config)
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose `conf/config.yaml` with Hydra overrides, as the apps do."""
+    return compose_many([list(overrides)])[0]
+
+
+def compose_many(override_lists: list[list[str]]) -> list[DictConfig]:
+    """Several compositions under one Hydra initialization (a sweep's points)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return [compose(config_name="config", overrides=o) for o in override_lists]
 
 
 def to_plain(cfg: DictConfig) -> dict:
@@ -144,7 +157,8 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 def run_name(cfg: DictConfig) -> str:
     """A readable name that changes whenever anything the run depends on does."""
     plain = to_plain(cfg)
-    plain.pop("prepare", None)
+    for not_the_run in ("prepare", "report", "mlflow_parent_run_id"):
+        plain.pop(not_the_run, None)
     digest = hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
     return (
         f"{cfg.data.name}-{cfg.model.name}-{plain['strategy']['name']}"

@@ -24,6 +24,7 @@ from distrepro.config import run_name, to_plain
 from distrepro.tracking import ensure_experiment
 
 BIN = Path(sys.executable).parent
+HOROVOD_MODULE = "distrepro.horovod_train"
 
 
 class ConfigError(ValueError):
@@ -64,8 +65,22 @@ def horovod_command(cfg: DictConfig, config_path: Path) -> list[str]:
     n = cfg.strategy.num_workers
     controller = "--mpi" if cfg.strategy.controller == "mpi" else "--gloo"
     hosts = cfg.strategy.hosts or f"localhost:{n}"
-    program = [sys.executable, "-m", "distrepro.horovod_train", str(config_path)]
+    program = [sys.executable, "-m", HOROVOD_MODULE, str(config_path)]
     return [str(BIN / "horovodrun"), "-np", str(n), "-H", hosts, controller, *program]
+
+
+def describe(cfg: DictConfig) -> str:
+    """What launching cfg starts, in one line (shown by `snakemake -n`)."""
+    strategy, train = cfg.strategy, cfg.train
+    if strategy.name.value == "horovod":
+        options = horovod_command(cfg, Path("config.yaml"))[1:6]
+        processes = shlex.join(["horovodrun", *options, "python", "-m", HOROVOD_MODULE])
+    else:
+        processes = f"{strategy.num_ps} ps + {strategy.num_workers} workers + 1 coordinator"
+    return (
+        f"{processes}; {cfg.model.name} on {cfg.data.name}, {train.epochs} epochs, "
+        f"global batch {train.global_batch_size}, {cfg.precision.name.value}"
+    )
 
 
 def free_ports(count: int) -> list[int]:

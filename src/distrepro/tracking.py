@@ -81,3 +81,31 @@ def start_run(plain_cfg: dict, run_dir: Path, extra_params: dict) -> str:
     mlflow.log_artifact(str(run_dir / "config.yaml"))
     id_file.write_text(run.info.run_id)
     return run.info.run_id
+
+
+def start_parent(experiment: str, name: str) -> str:
+    """An MLflow run that a sweep's runs are children of."""
+    experiment_id = ensure_experiment(experiment)
+    client = mlflow.MlflowClient()
+    run = client.create_run(experiment_id, run_name=name, tags={"sweep": name})
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def main(argv: list[str]) -> None:
+    """`init EXPERIMENT OUT` creates the store and experiment; `parent EXPERIMENT
+    NAME OUT` creates a sweep's parent run. OUT receives the id."""
+    if argv[:1] == ["init"] and len(argv) == 3:
+        Path(argv[2]).write_text(ensure_experiment(argv[1]) + "\n")
+    elif argv[:1] == ["parent"] and len(argv) == 4:
+        Path(argv[3]).write_text(start_parent(argv[1], argv[2]) + "\n")
+    else:
+        raise SystemExit(
+            "usage: python -m distrepro.tracking init EXPERIMENT OUT | parent EXPERIMENT NAME OUT"
+        )
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -1,0 +1,27 @@
+# snakemake --cores all reproduce   (the default target)
+# snakemake --cores all sweep --config sweep="train.global_batch_size=32,64,128"
+# Values come from Hydra (conf/); --config experiment=NAME overrides="k=v k=v".
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+validate(config, "workflow/schemas/config.schema.yaml", set_default=True)
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule reproduce:
+    default_target: True
+    input:
+        "results/report/report.md",
+
+
+rule sweep:
+    input:
+        sweep_report(),

@@ -1,0 +1,117 @@
+import hashlib
+import itertools
+import shlex
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from distrepro.config import compose_many, run_name
+from distrepro.launch import describe
+
+STRATEGIES = ["parameter_server", "horovod"]
+
+
+def base_overrides():
+    experiment = [f"experiment={config['experiment']}"] if config["experiment"] else []
+    return experiment + shlex.split(config["overrides"])
+
+
+def sweep_points():
+    """Hydra's sweep grammar, several keys -> their product; both strategies
+    unless the sweep names one."""
+    parsed = OverridesParser.create().parse_overrides(shlex.split(config["sweep"]))
+    axes = [
+        (
+            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            if o.is_sweep_override()
+            else [f"{o.get_key_element()}={o.get_value_element_as_str()}"]
+        )
+        for o in parsed
+    ]
+    if not any(o.get_key_element() == "strategy" for o in parsed):
+        axes.append([f"strategy={s}" for s in STRATEGIES])
+    return [list(point) for point in itertools.product(*axes)]
+
+
+SWEEP_ID = hashlib.sha256((config["overrides"] + config["sweep"]).encode()).hexdigest()[
+    :8
+]
+REPRODUCE_OVERRIDES = [base_overrides() + [f"strategy={s}"] for s in STRATEGIES]
+SWEEP_OVERRIDES = (
+    [base_overrides() + p for p in sweep_points()] if config["sweep"] else []
+)
+CONFIGS = compose_many(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES)
+RUNS = {
+    run_name(c): (o, c) for o, c in zip(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES, CONFIGS)
+}
+REPRODUCE_RUNS = [run_name(c) for c in CONFIGS[: len(REPRODUCE_OVERRIDES)]]
+SWEEP_RUNS = [run_name(c) for c in CONFIGS[len(REPRODUCE_OVERRIDES) :]]
+EXPERIMENT = CONFIGS[0].mlflow_experiment
+
+
+def run_config(wildcards):
+    return RUNS[wildcards.run][1]
+
+
+def run_overrides(wildcards):
+    """The run's overrides, quoted for the shell; sweep runs name their parent."""
+    overrides = RUNS[wildcards.run][0]
+    quoted = shlex.join(overrides)
+    if wildcards.run in SWEEP_RUNS:
+        quoted += f" mlflow_parent_run_id=$(cat {sweep_parent_file()})"
+    return quoted
+
+
+def tfrecords_of(wildcards):
+    return f"{run_config(wildcards).data.tfrecord_dir}/metadata.json"
+
+
+def train_inputs(wildcards):
+    inputs = {
+        "tfrecords": tfrecords_of(wildcards),
+        "store": "results/mlflow/experiment_id",
+    }
+    if wildcards.run in SWEEP_RUNS:
+        inputs["parent"] = sweep_parent_file()
+    return inputs
+
+
+def plan_of(wildcards):
+    return describe(run_config(wildcards))
+
+
+def workers_of(wildcards):
+    return run_config(wildcards).strategy.num_workers
+
+
+def gpus_of(wildcards):
+    strategy = run_config(wildcards).strategy
+    return strategy.num_workers * strategy.gpus_per_worker
+
+
+def eval_gpus_of(wildcards):
+    return min(1, gpus_of(wildcards))
+
+
+def shards_of(wildcards):
+    data = next(c.data for c in CONFIGS if c.data.name == wildcards.dataset)
+    return f"{data.train_shards} train / {data.val_shards} validation shards"
+
+
+def sweep_parent_file():
+    return f"results/sweeps/{SWEEP_ID}/parent_run_id"
+
+
+def sweep_report():
+    return f"results/sweeps/{SWEEP_ID}/report/report.md"
+
+
+def report_runs(wildcards):
+    return SWEEP_RUNS if wildcards.reportdir.startswith("sweeps/") else REPRODUCE_RUNS
+
+
+def report_inputs(wildcards):
+    return [f"results/runs/{run}/evaluation.json" for run in report_runs(wildcards)]
+
+
+def report_run_list(wildcards):
+    return "[" + ",".join(f"results/runs/{run}" for run in report_runs(wildcards)) + "]"

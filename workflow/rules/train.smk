@@ -1,0 +1,41 @@
+# A training job counts a core per worker, so that the two strategies of
+# `reproduce` are timed alone on a 2-core machine; 1-worker sweep points run
+# side by side.
+rule train:
+    input:
+        unpack(train_inputs),
+    output:
+        "results/runs/{run}/metrics.json",
+    log:
+        "logs/train/{run}.log",
+    benchmark:
+        "results/benchmarks/train/{run}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: workers_of
+    resources:
+        gpus=gpus_of,
+    params:
+        overrides=run_overrides,
+        plan=plan_of,
+    message:
+        "{wildcards.run}: {params.plan}"
+    shell:
+        "python -m distrepro.launch {params.overrides} > {log} 2>&1"
+
+
+rule sweep_parent:
+    input:
+        "results/mlflow/experiment_id",
+    output:
+        "results/sweeps/{sweep}/parent_run_id",
+    log:
+        "logs/sweep_parent/{sweep}.log",
+    benchmark:
+        "results/benchmarks/sweep_parent/{sweep}.tsv"
+    conda:
+        "../../environment.yml"
+    params:
+        experiment=EXPERIMENT,
+    shell:
+        "python -m distrepro.tracking parent {params.experiment} sweep-{wildcards.sweep} {output} > {log} 2>&1"
