@@ -24,6 +24,7 @@ SEED = {
     "parameter_server": {"images_per_sec": 4249, "total_time_s": 27621, "best_top1": 0.7549},
     "horovod": {"images_per_sec": 5058, "total_time_s": 22906, "best_top1": 0.7559},
 }
+SUMMARY_KEYS = ("strategy", "images_per_sec", "total_time_s", "top1", "top5", "best_top1")
 COLUMNS = ("strategy", "img/s", "total time (s)", "best top-1", "top-5", "speedup")
 
 
@@ -132,9 +133,11 @@ def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
         page += [f"<h2>{title}</h2><p>{html.escape(setting)}</p>", html_table(rows)]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     page += [f'<img src="{p.name}" alt="{p.stem}">' for p in plots] + ["</body></html>"]
+    summary = {r["run_name"]: {k: r[k] for k in SUMMARY_KEYS} for r in runs}
+    (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
     (out_dir / "report.html").write_text("\n".join(page) + "\n")
-    return [out_dir / "report.md", out_dir / "report.html", *plots]
+    return [out_dir / "report.md", out_dir / "report.html", out_dir / "metrics.json", *plots]
 
 
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")

@@ -22,7 +22,8 @@ rule prepare:
         "results/benchmarks/prepare/{dataset}.tsv"
     conda:
         "../../environment.yml"
-    threads: workflow.cores
+    # The converter uses every core it is given; Snakemake caps this at --cores.
+    threads: 64
     params:
         shards=shards_of,
     message:

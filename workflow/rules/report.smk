@@ -4,6 +4,7 @@ rule report:
     output:
         md="results/{reportdir}/report.md",
         html="results/{reportdir}/report.html",
+        metrics="results/{reportdir}/metrics.json",
         throughput=report(
             "results/{reportdir}/throughput.png",
             category="Throughput",

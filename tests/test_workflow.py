@@ -1,0 +1,100 @@
+"""The Snakemake workflow end to end, in a temporary copy of the repository."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import mlflow
+import pytest
+from conftest import REPO, copy_repo, run
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reproduced(tmp_path_factory):
+    repo = copy_repo(tmp_path_factory.mktemp("workflow") / "repo")
+    run(["snakemake", "--cores", "all", "reproduce"], repo, timeout=1800)
+    return repo
+
+
+def client(repo) -> mlflow.MlflowClient:
+    return mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def runs_of(repo, **tags):
+    (experiment,) = [e for e in client(repo).search_experiments() if e.name == "distrepro"]
+    query = " and ".join(f"tags.{k} = '{v}'" for k, v in tags.items())
+    return client(repo).search_runs([experiment.experiment_id], filter_string=query)
+
+
+def test_reproduce_reports_both_strategies_with_mlflow_runs(reproduced):
+    report = (reproduced / "results/report/report.md").read_text()
+    assert "parameter_server (b64, 2 workers)" in report and "horovod (b64, 2 workers)" in report
+    assert "4249" in report and "5058" in report
+    for png in ("throughput.png", "accuracy.png"):
+        with Image.open(reproduced / "results/report" / png) as image:
+            image.load()
+            assert image.size[0] > 100
+    metrics = [json.loads(p.read_text()) for p in reproduced.glob("results/runs/*/metrics.json")]
+    assert sorted(m["strategy"] for m in metrics) == ["horovod", "parameter_server"]
+    for m in metrics:
+        assert m["top1"] >= 0.90 and m["eval_top1"] >= 0.90, m["run_name"]
+        run_ = client(reproduced).get_run(m["mlflow_run_id"])
+        assert run_.data.params["strategy.name"] == m["strategy"]
+        assert run_.data.metrics["eval_top1"] == pytest.approx(m["eval_top1"])
+        assert run_.data.tags["dvc_tfrecords_md5"].endswith(".dir")
+    assert len(runs_of(reproduced)) == 2
+
+
+def test_reproduce_leaves_data_clean_and_a_second_run_does_nothing(reproduced):
+    assert "up to date" in run(["dvc", "status"], reproduced).stdout
+    assert "Nothing to be done" in run(["snakemake", "-n", "reproduce"], reproduced).stdout
+    shown = run(["dvc", "metrics", "show"], reproduced).stdout
+    assert "results/report/metrics.json" in shown and "horovod" in shown
+
+
+def test_a_changed_value_reruns_exactly_the_jobs_it_affects(reproduced):
+    dry = run(["snakemake", "-n", "--config", "overrides=train.weight_decay=0.0"], reproduced)
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
+    assert counts == {"train": "2", "evaluate": "2", "report": "1", "reproduce": "1", "total": "6"}
+
+
+def test_snakemake_report_includes_the_plots(reproduced):
+    run(["snakemake", "--report", "snakemake-report.html"], reproduced)
+    page = (reproduced / "snakemake-report.html").read_text()
+    assert "throughput.png" in page and "accuracy.png" in page
+
+
+def test_two_point_sweep_runs_side_by_side_under_one_parent(reproduced):
+    config = [
+        "sweep=train.global_batch_size=32,64 strategy=horovod",
+        "overrides=train.epochs=2 strategy.num_workers=1",
+    ]
+    run(["snakemake", "--cores", "2", "sweep", "--config", *config], reproduced, timeout=1800)
+    parents = [r for r in runs_of(reproduced) if "sweep" in r.data.tags]
+    assert len(parents) == 1
+    children = runs_of(reproduced, **{"mlflow.parentRunId": parents[0].info.run_id})
+    batches = sorted(int(r.data.params["train.global_batch_size"]) for r in children)
+    assert batches == [32, 64]
+    lrs = {r.data.params["train.global_batch_size"]: r.info.run_id for r in children}
+    assert len(lrs) == 2
+    (sweep_dir,) = reproduced.glob("results/sweeps/*/report")
+    with Image.open(sweep_dir / "batch_size.png") as image:
+        image.load()
+
+
+def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
+    dry = run(["snakemake", "-n", "--config", "experiment=aws_blog_8gpu"], REPO).stdout
+    assert "horovodrun -np 8 -H localhost:8" in dry
+    assert "1 ps + 8 workers + 1 coordinator" in dry
+    assert "1024 train / 128 validation shards" in dry
+    assert dry.count("90 epochs, global batch 2048, mixed_fp16") == 2
+
+
+def test_workflow_lint_is_clean():
+    lint = run(["snakemake", "--lint"], REPO)
+    assert "good condition" in lint.stdout + lint.stderr
+    run(["snakefmt", "--check", "Snakefile", "workflow"], REPO)
