@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -98,3 +107,71 @@ def test_workflow_lint_is_clean():
     lint = run(["snakemake", "--lint"], REPO)
     assert "good condition" in lint.stdout + lint.stderr
     run(["snakefmt", "--check", "Snakefile", "workflow"], REPO)
+
+
+def rendered_text(url: str, profile) -> str:
+    """The page as headless Chromium renders it, as plain text."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (scripts/setup.sh installs it)")
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=30000",
+        "--dump-dom",
+    ]
+    dom = subprocess.run([chromium, *flags, url], capture_output=True, text=True, timeout=120)
+    text = re.sub(r"<script.*?</script>|<style.*?</style>|<[^>]+>", " ", dom.stdout, flags=re.S)
+    return " ".join(text.split())
+
+
+def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ui = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "ui",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{reproduced / 'mlflow.db'}",
+        ],
+        start_new_session=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        (experiment,) = [
+            e for e in client(reproduced).search_experiments() if e.name == "distrepro"
+        ]
+        runs = runs_of(reproduced)
+        listing = rendered_text(
+            f"{base}/#/experiments/{experiment.experiment_id}/runs", tmp_path / "a"
+        )
+        for r in runs:
+            assert r.info.run_name in listing
+        run_page = rendered_text(
+            f"{base}/#/experiments/{experiment.experiment_id}/runs/{runs[0].info.run_id}",
+            tmp_path / "b",
+        )
+        assert f"eval_top1 {runs[0].data.metrics['eval_top1']}" in run_page
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(30)
