@@ -1,0 +1,73 @@
+"""Training throughput, all in one invocation on this machine:
+
+- this project's Horovod training on the digits TFRecords;
+- Horovod's synthetic-benchmark recipe (benchmarks/synthetic_horovod.py):
+  same model, image size, per-rank batch and number of ranks, random data;
+- this project's parameter-server training at the same global batch.
+
+    python benchmarks/train_benchmark.py [--epochs 3] [--workers 2] [--batch 64]
+
+Needs data/tfrecords/digits (`dvc repro`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def project_run(strategy: str, args, results: Path) -> float:
+    overrides = [
+        f"strategy={strategy}",
+        f"strategy.num_workers={args.workers}",
+        f"train.epochs={args.epochs}",
+        f"train.global_batch_size={args.batch}",
+        f"results_dir={results / strategy}",
+    ]
+    subprocess.run([sys.executable, "-m", "distrepro.launch", *overrides], cwd=REPO, check=True)
+    (metrics,) = (results / strategy).glob("*/metrics.json")
+    return json.loads(metrics.read_text())["images_per_sec"]
+
+
+def synthetic_run(args, steps: int) -> float:
+    n = args.workers
+    cmd = [str(BIN / "horovodrun"), "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
+    script = [sys.executable, str(REPO / "benchmarks" / "synthetic_horovod.py")]
+    options = ["--image-size", "32", "--batch-size", str(args.batch // n), "--steps", str(steps)]
+    out = subprocess.run([*cmd, *script, *options], capture_output=True, text=True, check=True)
+    return float(re.search(r"images_per_sec ([\d.]+)", out.stdout)[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64, help="global batch")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
+        horovod = project_run("horovod", args, Path(tmp))
+        steps_per_epoch = 1437 // args.batch
+        synthetic = synthetic_run(args, steps_per_epoch * args.epochs)
+        ps = project_run("parameter_server", args, Path(tmp))
+    result = {
+        "project_horovod_images_per_sec": round(horovod, 1),
+        "synthetic_horovod_images_per_sec": round(synthetic, 1),
+        "project_parameter_server_images_per_sec": round(ps, 1),
+        "project_over_synthetic": round(horovod / synthetic, 2),
+        "horovod_over_parameter_server": round(horovod / ps, 2),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
