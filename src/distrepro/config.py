@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -10,7 +11,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -130,9 +133,28 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 
 def compose_many(override_lists: list[list[str]]) -> list[DictConfig]:
-    """Several compositions under one Hydra initialization (a sweep's points)."""
+    """Many compositions (a sweep's points) at the cost of one per distinct
+    choice of config groups: Hydra composes each choice once (about 0.1 s),
+    then applies the value overrides to a copy exactly as compose would."""
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()} | {"hydra"}
+    parser = OverridesParser.create()
+    composed: dict[tuple[str, ...], DictConfig] = {}
+    configs = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return [compose(config_name="config", overrides=o) for o in override_lists]
+        for overrides in override_lists:
+            parsed = parser.parse_overrides(overrides)
+            choice = tuple(
+                o.input_line
+                for o in parsed
+                if o.key_or_group.split(".")[0] in groups and "." not in o.key_or_group
+            )
+            if choice not in composed:
+                composed[choice] = compose(config_name="config", overrides=list(choice))
+            cfg = copy.deepcopy(composed[choice])
+            values = [o for o in parsed if o.input_line not in choice]
+            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+            configs.append(cfg)
+    return configs
 
 
 def to_plain(cfg: DictConfig) -> dict:

@@ -21,7 +21,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from distrepro.config import run_name, to_plain
-from distrepro.tracking import ensure_experiment
 
 BIN = Path(sys.executable).parent
 HOROVOD_MODULE = "distrepro.horovod_train"
@@ -150,6 +149,8 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     if (run_dir / "metrics.json").exists():
         print(f"{run_dir} is complete; nothing to do")
         return run_dir
+    from distrepro.tracking import ensure_experiment  # mlflow: 2 s to import, not for -n
+
     ensure_experiment(cfg.mlflow_experiment)
     config_path = run_dir / "config.yaml"
     if cfg.strategy.name.value == "horovod":
