@@ -92,17 +92,24 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+def signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """Signal the process group the launcher started proc in (its children too)."""
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass  # the whole group has already exited
+
+
 def stop(processes: list[subprocess.Popen]) -> None:
     """SIGTERM each process group, then SIGKILL what is left after 5 s."""
     for proc in processes:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+        signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + 5
     for proc in processes:
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
             proc.wait()
 
 
