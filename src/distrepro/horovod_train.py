@@ -52,9 +52,12 @@ def main(config_path: str) -> None:
 
     run_id = None
     if rank == 0:
-        run_id = tracking.start_run(
-            OmegaConf.to_container(cfg), run_dir, {"threads_per_process": threads, "ranks": size}
-        )
+        extra = {
+            "threads_per_process": threads,
+            "ranks": size,
+            "peak_learning_rate": core.peak_learning_rate(cfg.train, cfg.train.global_batch_size),
+        }
+        run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
     hvd.broadcast_variables(model.variables, root_rank=0)
     warmup = min(cfg.train.warmup_steps_excluded, updates - 1)
     history = core.train_loop(

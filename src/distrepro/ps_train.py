@@ -74,7 +74,11 @@ def main(config_path: str) -> None:
             coordinator.schedule(train_steps, args=(train_batches,))
         coordinator.join()
 
-    extra = {"threads_per_process": threads, "steps_per_call": steps_per_call}
+    extra = {
+        "threads_per_process": threads,
+        "steps_per_call": steps_per_call,
+        "peak_learning_rate": core.peak_learning_rate(cfg.train, per_worker),
+    }
     run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
     warmup = -(-cfg.train.warmup_steps_excluded // steps_per_call) * steps_per_call
     history = core.train_loop(

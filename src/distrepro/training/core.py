@@ -59,12 +59,16 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
         return {"peak": self.peak, "warmup": self.warmup, "total": self.total, "decay": self.decay}
 
 
+def peak_learning_rate(train, batch_per_update: int) -> float:
+    """The recipe's linear scaling: base rate x the update's batch / the base batch."""
+    return train.base_learning_rate * batch_per_update / train.base_batch_size
+
+
 def make_optimizer(cfg, batch_per_update: int, updates_per_epoch: int):
-    """SGD with momentum; learning rate scaled linearly with the update's batch."""
+    """SGD with momentum and the warmup-then-decay schedule."""
     train = cfg.train
-    peak = train.base_learning_rate * batch_per_update / train.base_batch_size
     schedule = WarmupDecay(
-        peak,
+        peak_learning_rate(train, batch_per_update),
         train.warmup_epochs * updates_per_epoch,
         train.epochs * updates_per_epoch,
         str(train.lr_decay),
