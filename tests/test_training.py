@@ -183,6 +183,36 @@ def test_mixed_precision_trains_a_few_steps(digits_tfrecords, tmp_path, mlflow_u
     assert math.isfinite(metrics["history"][0]["train_loss"])
 
 
+def test_hydra_multirun_runs_each_point_as_a_child_of_one_parent(
+    digits_tfrecords, tmp_path, mlflow_uri
+):
+    sweep_dir = tmp_path / "sweep"
+    args = launch_args(
+        digits_tfrecords,
+        tmp_path / "runs",
+        "train.global_batch_size=32,64",
+        "strategy.num_workers=1",
+        "train.epochs=1",
+        "train.steps_per_epoch=4",
+        "train.warmup_steps_excluded=1",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    subprocess.run([*args[:3], "-m", *args[3:]], check=True, cwd=REPO, timeout=900)
+    parent_id = (sweep_dir / "mlflow_parent_run_id").read_text().strip()
+    client = mlflow.MlflowClient(mlflow_uri)
+    parent = client.get_run(parent_id)
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'"
+    )
+    lrs = {
+        int(r.data.params["train.global_batch_size"]): float(r.data.params["peak_learning_rate"])
+        for r in children
+    }
+    assert sorted(lrs) == [32, 64]
+    assert lrs[64] == pytest.approx(2 * lrs[32])
+    assert len(list((tmp_path / "runs").glob("*/metrics.json"))) == 2
+
+
 def test_run_name_changes_with_any_value():
     base = run_name(compose_config([]))
     assert base == run_name(compose_config([]))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from distrepro.config import run_name, to_plain
@@ -173,12 +174,29 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     return run_dir
 
 
+def multirun_parent(cfg: DictConfig) -> str | None:
+    """Under `-m`, the jobs of one Hydra sweep are children of one MLflow run,
+    as a Snakemake sweep's are; its id is kept in the sweep directory."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or cfg.mlflow_parent_run_id:
+        return cfg.mlflow_parent_run_id
+    id_file = Path(hydra_cfg.sweep.dir) / "mlflow_parent_run_id"
+    if not id_file.exists():
+        from distrepro.tracking import start_parent
+
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        name = f"multirun-{Path(hydra_cfg.sweep.dir).name}"
+        id_file.write_text(start_parent(cfg.mlflow_experiment, name))
+    return id_file.read_text().strip()
+
+
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # SIGTERM (timeout, Snakemake, a scheduler) unwinds like Ctrl-C, so the
     # tasks this launcher started are stopped by its `finally` blocks.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
+        cfg.mlflow_parent_run_id = multirun_parent(cfg)
         run_dir = launch(cfg, list(HydraConfig.get().overrides.task))
     except ConfigError as error:
         raise SystemExit(f"launch: {error}") from None
