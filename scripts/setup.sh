@@ -16,7 +16,6 @@ need cmake cmake
 need g++ g++
 need make make
 need chromium chromium
-need chromedriver chromium-driver
 "$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' ||
   missing+=(python3-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -37,7 +36,7 @@ tf_version=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.versio
 wheel_dir=$WHEEL_CACHE/horovod-$HOROVOD_VERSION-tf$tf_version
 if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('horovod') != '$HOROVOD_VERSION')" 2>/dev/null; then
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-    echo "setup: building Horovod $HOROVOD_VERSION against TensorFlow $tf_version (about 6 minutes)"
+    echo "setup: building Horovod $HOROVOD_VERSION against TensorFlow $tf_version (a few minutes)"
     mkdir -p "$wheel_dir.partial"
     HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
       HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
