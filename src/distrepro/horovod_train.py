@@ -30,7 +30,8 @@ def main(config_path: str) -> None:
     )
 
     model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
-    optimizer = core.make_optimizer(cfg, cfg.train.global_batch_size, updates)
+    peak = core.peak_learning_rate(cfg.train, cfg.train.global_batch_size)
+    optimizer = core.make_optimizer(cfg, peak, updates)
     trainer = core.Trainer(cfg, model, optimizer, metadata["num_classes"])
     files = core.RunFiles(run_dir, model, optimizer, is_chief=rank == 0)
     train_batches = iter(make_dataset(cfg.data, "train", per_rank, rank, size, cfg.seed))
@@ -55,7 +56,7 @@ def main(config_path: str) -> None:
         extra = {
             "threads_per_process": threads,
             "ranks": size,
-            "peak_learning_rate": core.peak_learning_rate(cfg.train, cfg.train.global_batch_size),
+            "peak_learning_rate": peak,
         }
         run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
     hvd.broadcast_variables(model.variables, root_rank=0)

@@ -44,7 +44,8 @@ def main(config_path: str) -> None:
     with strategy.scope():
         model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
         # Asynchronous: each worker's update is one batch of per_worker images.
-        optimizer = core.make_optimizer(cfg, per_worker, updates)
+        peak = core.peak_learning_rate(cfg.train, per_worker)
+        optimizer = core.make_optimizer(cfg, peak, updates)
         trainer = core.Trainer(cfg, model, optimizer, metadata["num_classes"])
     files = core.RunFiles(run_dir, model, optimizer, is_chief=True)
 
@@ -77,7 +78,7 @@ def main(config_path: str) -> None:
     extra = {
         "threads_per_process": threads,
         "steps_per_call": steps_per_call,
-        "peak_learning_rate": core.peak_learning_rate(cfg.train, per_worker),
+        "peak_learning_rate": peak,
     }
     run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
     warmup = -(-cfg.train.warmup_steps_excluded // steps_per_call) * steps_per_call

@@ -64,11 +64,11 @@ def peak_learning_rate(train, batch_per_update: int) -> float:
     return train.base_learning_rate * batch_per_update / train.base_batch_size
 
 
-def make_optimizer(cfg, batch_per_update: int, updates_per_epoch: int):
-    """SGD with momentum and the warmup-then-decay schedule."""
+def make_optimizer(cfg, peak: float, updates_per_epoch: int):
+    """SGD with momentum and the warmup-then-decay schedule up to `peak`."""
     train = cfg.train
     schedule = WarmupDecay(
-        peak_learning_rate(train, batch_per_update),
+        peak,
         train.warmup_epochs * updates_per_epoch,
         train.epochs * updates_per_epoch,
         str(train.lr_decay),
