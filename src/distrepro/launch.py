@@ -151,8 +151,7 @@ def run_parameter_server(cfg: DictConfig, config_path: Path) -> int:
 
 
 def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
-    """Validate, write the run directory, train; return the run directory."""
-    validate(cfg)
+    """Write the run directory of a validated cfg, train; return the run directory."""
     run_dir = prepare_run_dir(cfg, list(overrides))
     if (run_dir / "metrics.json").exists():
         print(f"{run_dir} is complete; nothing to do")
@@ -176,7 +175,8 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
 
 def multirun_parent(cfg: DictConfig) -> str | None:
     """Under `-m`, the jobs of one Hydra sweep are children of one MLflow run,
-    as a Snakemake sweep's are; its id is kept in the sweep directory."""
+    as a Snakemake sweep's are; its id is kept in the sweep directory, which
+    Hydra's launcher creates before the first job."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN or cfg.mlflow_parent_run_id:
         return cfg.mlflow_parent_run_id
@@ -184,7 +184,6 @@ def multirun_parent(cfg: DictConfig) -> str | None:
     if not id_file.exists():
         from distrepro.tracking import start_parent
 
-        id_file.parent.mkdir(parents=True, exist_ok=True)
         name = f"multirun-{Path(hydra_cfg.sweep.dir).name}"
         id_file.write_text(start_parent(cfg.mlflow_experiment, name))
     return id_file.read_text().strip()
@@ -196,6 +195,7 @@ def main(cfg: DictConfig) -> None:
     # tasks this launcher started are stopped by its `finally` blocks.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
+        validate(cfg)
         cfg.mlflow_parent_run_id = multirun_parent(cfg)
         run_dir = launch(cfg, list(HydraConfig.get().overrides.task))
     except ConfigError as error:
