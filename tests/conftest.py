@@ -186,3 +186,24 @@ def training_processes() -> list:
         if any(name in cmdline for name in names):
             alive.append(proc)
     return alive
+
+
+@pytest.fixture(autouse=True)
+def stop_training_processes_the_test_left():
+    """A test that fails or times out still stops the training processes it started."""
+    import psutil
+
+    before = {proc.pid for proc in training_processes()}
+    yield
+    left = [proc for proc in training_processes() if proc.pid not in before]
+    for proc in left:
+        proc.kill()
+    psutil.wait_procs(left, timeout=10)
+
+
+def peak_learning_rates(runs) -> dict[int, float]:
+    """{global batch: peak learning rate} of MLflow runs."""
+    return {
+        int(r.data.params["train.global_batch_size"]): float(r.data.params["peak_learning_rate"])
+        for r in runs
+    }

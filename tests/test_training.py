@@ -15,7 +15,7 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
-from conftest import REPO, training_processes
+from conftest import REPO, peak_learning_rates, training_processes
 from omegaconf import errors as omegaconf_errors
 
 from distrepro.config import compose_config, run_name
@@ -186,6 +186,16 @@ def test_mixed_precision_trains_a_few_steps(digits_tfrecords, tmp_path, mlflow_u
 def test_hydra_multirun_runs_each_point_as_a_child_of_one_parent(
     digits_tfrecords, tmp_path, mlflow_uri
 ):
+    refused = launch_args(
+        digits_tfrecords,
+        tmp_path / "runs",
+        "train.global_batch_size=63,65",
+        f"hydra.sweep.dir={tmp_path / 'refused'}",
+    )
+    result = subprocess.run([*refused[:3], "-m", *refused[3:]], cwd=REPO, capture_output=True)
+    assert result.returncode != 0 and b"train.global_batch_size=63" in result.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # no parent run for a refused sweep
+
     sweep_dir = tmp_path / "sweep"
     args = launch_args(
         digits_tfrecords,
@@ -204,10 +214,7 @@ def test_hydra_multirun_runs_each_point_as_a_child_of_one_parent(
     children = client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'"
     )
-    lrs = {
-        int(r.data.params["train.global_batch_size"]): float(r.data.params["peak_learning_rate"])
-        for r in children
-    }
+    lrs = peak_learning_rates(children)
     assert sorted(lrs) == [32, 64]
     assert lrs[64] == pytest.approx(2 * lrs[32])
     assert len(list((tmp_path / "runs").glob("*/metrics.json"))) == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from conftest import REPO, copy_repo, run
+from conftest import REPO, copy_repo, peak_learning_rates, run
 from PIL import Image
 
 pytestmark = pytest.mark.slow
@@ -86,10 +86,7 @@ def test_two_point_sweep_runs_side_by_side_under_one_parent(reproduced):
     parents = [r for r in runs_of(reproduced) if "sweep" in r.data.tags]
     assert len(parents) == 1
     children = runs_of(reproduced, **{"mlflow.parentRunId": parents[0].info.run_id})
-    lrs = {
-        int(r.data.params["train.global_batch_size"]): float(r.data.params["peak_learning_rate"])
-        for r in children
-    }
+    lrs = peak_learning_rates(children)
     assert sorted(lrs) == [32, 64]
     assert lrs[64] == pytest.approx(2 * lrs[32])
     (sweep_dir,) = reproduced.glob("results/sweeps/*/report")
