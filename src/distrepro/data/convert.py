@@ -154,13 +154,21 @@ def write_dataset(
     counts = {split: 0 for split in SPLITS}
     skipped: list[str] = []
     context = multiprocessing.get_context("spawn")
-    with context.Pool(processes or os.cpu_count()) as pool:
-        results = pool.imap(write_shard, tasks)
-        for task, (written, bad) in tqdm(
-            zip(tasks, results, strict=True), total=len(tasks), desc=f"{name} shards", unit="shard"
-        ):
-            counts[Path(task.out_path).name.split("-")[0]] += written
-            skipped.extend(bad)
+    try:
+        with context.Pool(processes or os.cpu_count()) as pool:
+            results = pool.imap(write_shard, tasks)
+            for task, (written, bad) in tqdm(
+                zip(tasks, results, strict=True),
+                total=len(tasks),
+                desc=f"{name} shards",
+                unit="shard",
+            ):
+                counts[Path(task.out_path).name.split("-")[0]] += written
+                skipped.extend(bad)
+    except BaseException:
+        # Leaving the pool terminates the workers still writing, before their own cleanup runs.
+        remove_temporaries(out_dir)
+        raise
     remove_stale_shards(out_dir, {Path(t.out_path).name for t in tasks})
     metadata = {
         "dataset": name,
@@ -182,10 +190,17 @@ def write_dataset(
 
 def remove_stale_shards(out_dir: Path, keep: set[str]) -> None:
     """Drop shards of an earlier shard count and temporaries of a killed run."""
+    remove_temporaries(out_dir)
     for split in SPLITS:
-        for path in [*out_dir.glob(f"{split}-*-of-*"), *out_dir.glob(f".{split}-*.tmp")]:
+        for path in out_dir.glob(f"{split}-*-of-*"):
             if path.name not in keep:
                 path.unlink()
+
+
+def remove_temporaries(out_dir: Path) -> None:
+    for split in SPLITS:
+        for path in out_dir.glob(f".{split}-*.tmp"):
+            path.unlink(missing_ok=True)
 
 
 def write_json_atomically(path: Path, data: dict) -> None:
