@@ -1,8 +1,10 @@
 # `make reproduce` sets everything up and runs the main job; `make test` the tests.
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL := 2
+# Registry pins only, for Linux x86_64 and Python 3.11 whatever machine compiles them.
+UV_COMPILE := uv pip compile --quiet --python-version 3.11 --python-platform x86_64-unknown-linux-gnu
 
-.PHONY: setup reproduce test ui
+.PHONY: setup reproduce test ui lock
 
 setup:
 	bash scripts/setup.sh
@@ -15,3 +17,8 @@ test: setup
 
 ui:
 	mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
+
+# After editing requirements*.in (needs uv: `make setup` installs it in .venv).
+lock:
+	$(UV_COMPILE) requirements.in -o requirements.lock
+	$(UV_COMPILE) requirements-gpu.in -c requirements.lock -o requirements-gpu.lock

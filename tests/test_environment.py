@@ -1,4 +1,5 @@
-"""The environment: conda spec agrees with the lock; Horovod built with TF + Gloo."""
+"""The environment: registry-only locks, the conda spec agrees with the lock,
+Horovod built with TF + MPI + Gloo."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO
 
@@ -31,11 +33,59 @@ def test_environment_yml_pins_are_the_locks():
     assert names <= set(conda_pins) | {"tf-keras"}
 
 
-def test_horovod_is_built_with_tensorflow_and_gloo():
+REGISTRY_PIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+(\s*;[^@]*)?$")
+CONDA_PIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(=[0-9][0-9.*]*)?$")
+
+
+def not_registry_pins(path: Path) -> list[str]:
+    """`file:line: text` of every requirement that is not a plain `name==version`."""
+    bad = []
+    if path.suffix == ".yml":
+        spec = yaml.safe_load(path.read_text())
+        items = [(d, CONDA_PIN) for d in spec["dependencies"] if isinstance(d, str)]
+        items += [
+            (p, REGISTRY_PIN) for d in spec["dependencies"] if isinstance(d, dict) for p in d["pip"]
+        ]
+        lines = path.read_text().splitlines()
+        for item, pattern in items:
+            if not pattern.match(item):
+                number = next(i for i, line in enumerate(lines, 1) if item in line)
+                bad.append(f"{path.name}:{number}: {item}")
+        return bad
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        requirement = line.split("#")[0].strip()
+        if requirement and not REGISTRY_PIN.match(requirement):
+            bad.append(f"{path.name}:{number}: {requirement}")
+    return bad
+
+
+@pytest.mark.parametrize("name", ["requirements.lock", "requirements-gpu.lock", "environment.yml"])
+def test_locks_hold_registry_pins_only(name):
+    assert not_registry_pins(REPO / name) == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "horovod @ file:///root/.cache/horovod-0.28.1-cp311-linux_x86_64.whl",
+        "https://example.org/pkg-1.0.tar.gz",
+        "-e .",
+        "./wheels/horovod-0.28.1.whl",
+        "tensorflow>=2.18",
+    ],
+)
+def test_the_lock_check_names_a_line_that_is_no_registry_pin(tmp_path, line):
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(f"absl-py==2.5.1\n    # via keras\n{line}\n")
+    assert not_registry_pins(lock) == [f"requirements.lock:3: {line}"]
+
+
+def test_horovod_is_built_with_tensorflow_mpi_and_gloo():
     horovodrun = Path(sys.executable).parent / "horovodrun"
     out = subprocess.run([horovodrun, "--check-build"], capture_output=True, text=True, check=True)
     assert re.search(r"\[X\] TensorFlow", out.stdout)
-    assert re.search(r"Available Controllers:.*?\[X\] Gloo", out.stdout, re.S)
+    controllers = re.search(r"Available Controllers:(.*?)\n\n", out.stdout, re.S)[1]
+    assert "[X] MPI" in controllers and "[X] Gloo" in controllers
 
 
 def test_tf_keras_is_the_keras_in_use():
