@@ -76,18 +76,23 @@ def write_tree(root: Path, files: dict[str, bytes]) -> None:
         (root / name).write_bytes(data)
 
 
+def write_train_tar(path: Path, train: dict[str, dict[str, bytes]]) -> None:
+    """ILSVRC2012_img_train.tar's form: a tar of one tar per synset."""
+    with tarfile.open(path, "w") as outer:
+        for synset, files in train.items():
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode="w") as tar:
+                for name, data in files.items():
+                    add_bytes(tar, name, data)
+            add_bytes(outer, f"{synset}.tar", inner.getvalue())
+
+
 def make_raw(root: Path, train_form: str, val_form: str) -> Path:
     """train_form: tar|tree; val_form: sorted|kaggle_tar|lines_flat."""
     root.mkdir(parents=True)
     train = train_images()
     if train_form == "tar":
-        with tarfile.open(root / "ILSVRC2012_img_train.tar", "w") as outer:
-            for synset, files in train.items():
-                inner = io.BytesIO()
-                with tarfile.open(fileobj=inner, mode="w") as tar:
-                    for name, data in files.items():
-                        add_bytes(tar, name, data)
-                add_bytes(outer, f"{synset}.tar", inner.getvalue())
+        write_train_tar(root / "ILSVRC2012_img_train.tar", train)
     else:
         for synset, files in train.items():
             write_tree(root / "train" / synset, files)

@@ -16,12 +16,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import SYNSETS, TEXTS, add_bytes, train_images, val_images
+from conftest import (
+    SYNSETS,
+    TEXTS,
+    add_bytes,
+    jpeg_bytes,
+    photo,
+    train_images,
+    val_images,
+    write_train_tar,
+)
 from PIL import Image
 
 from distrepro.config import compose_config
 from distrepro.data.convert import BadImageError, verify_dir
-from distrepro.data.raw import RawDataError
+from distrepro.data.raw import EXTRACTED_FROM, TRAIN_TAR, RawDataError
 from distrepro.prepare import prepare
 
 FEATURES = {
@@ -38,12 +47,12 @@ FEATURES = {
 }
 
 
-def overrides(raw: Path, out: Path, *extra: str) -> list[str]:
+def overrides(raw: Path, out: Path, *extra: str, extract_dir: Path | None = None) -> list[str]:
     return [
         "data=imagenet",
         f"data.raw_dir={raw}",
         f"data.tfrecord_dir={out}",
-        f"data.extract_dir={raw.parent / (raw.name + '_extracted')}",
+        f"data.extract_dir={extract_dir or raw.parent / (raw.name + '_extracted')}",
         "data.train_shards=3",
         "data.val_shards=2",
         "prepare.processes=2",
@@ -182,3 +191,123 @@ def test_a_killed_conversion_leaves_no_shard_that_looks_whole(raw_factory, tmp_p
     read_split(out, "train")  # every shard that is visible reads to its end
     with pytest.raises(ValueError, match="metadata.json"):
         verify_dir(out)
+
+
+def test_a_tar_extraction_is_redone_when_its_source_changes(raw_factory, tmp_path):
+    first, second = (raw_factory("tar", "kaggle_tar", name) for name in ("first", "second"))
+    changed = train_images()
+    changed[SYNSETS[1]]["only_in_the_new_tar.JPEG"] = jpeg_bytes(photo(77))
+    write_train_tar(second / TRAIN_TAR, changed)
+    extract_dir = tmp_path / "extracted"
+    new_image = extract_dir / "train" / SYNSETS[1] / "only_in_the_new_tar.JPEG"
+
+    def train_files(raw: Path, out: str) -> set[str]:
+        prepare(compose_config(overrides(raw, tmp_path / out, extract_dir=extract_dir)))
+        return {r["image/filename"].decode() for r in read_split(tmp_path / out, "train")}
+
+    assert "only_in_the_new_tar.JPEG" not in train_files(first, "a")
+    assert "only_in_the_new_tar.JPEG" in train_files(second, "b"), "another tar, same folder"
+    assert "only_in_the_new_tar.JPEG" not in train_files(first, "c"), "back to the first tar"
+
+    write_train_tar(first / TRAIN_TAR, changed)  # a damaged tar replaced in place
+    assert "only_in_the_new_tar.JPEG" in train_files(first, "d")
+    extracted_at = new_image.stat().st_mtime_ns
+    time.sleep(0.01)
+    assert "only_in_the_new_tar.JPEG" in train_files(first, "e")
+    assert new_image.stat().st_mtime_ns == extracted_at, "an unchanged tar was extracted again"
+
+
+def test_an_interrupted_extraction_is_not_taken_as_finished(raw_factory, tmp_path):
+    raw = raw_factory("tar", "kaggle_tar")
+    prepare(config_for(raw, tmp_path / "a"))
+    extracted = tmp_path / "raw_extracted" / "train"
+    (extracted / EXTRACTED_FROM).unlink()  # as if killed before the stamp was written
+    for image in (extracted / SYNSETS[2]).iterdir():
+        image.unlink()
+    prepare(config_for(raw, tmp_path / "b"))
+    check_records(tmp_path / "b")
+
+
+def test_prepare_digits_writes_the_embedded_raw_data_when_missing(tmp_path):
+    raw, out = tmp_path / "raw" / "digits", tmp_path / "tfrecords"
+    cfg = compose_config(
+        ["data=digits", f"data.raw_dir={raw}", f"data.tfrecord_dir={out}", "prepare.processes=2"]
+    )
+    metadata = prepare(cfg)
+    assert sorted(p.name for p in (raw / "train").iterdir()) == [f"n{d:08d}" for d in range(10)]
+    assert (
+        metadata["splits"]["train"]["images"] + metadata["splits"]["validation"]["images"] == 1797
+    )
+    assert verify_dir(out)["validation"] == metadata["splits"]["validation"]["images"]
+
+
+def write_plain_shards(out: Path, split: str, labels_per_shard: list[list[int]]) -> None:
+    """Shards as the classic converters write them: tf.io.TFRecordWriter, standard keys only."""
+    out.mkdir(parents=True, exist_ok=True)
+    image = tf.io.encode_jpeg(tf.zeros([8, 8, 3], tf.uint8)).numpy()
+    for i, labels in enumerate(labels_per_shard):
+        name = out / f"{split}-{i:05d}-of-{len(labels_per_shard):05d}"
+        with tf.io.TFRecordWriter(str(name)) as writer:
+            for label in labels:
+                feature = {
+                    "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image])),
+                    "image/class/label": tf.train.Feature(
+                        int64_list=tf.train.Int64List(value=[label])
+                    ),
+                    "image/class/synset": tf.train.Feature(
+                        bytes_list=tf.train.BytesList(value=[f"n{label:08d}".encode()])
+                    ),
+                }
+                example = tf.train.Example(features=tf.train.Features(feature=feature))
+                writer.write(example.SerializeToString())
+
+
+def index_config(out: Path, *extra: str):
+    return compose_config(
+        [
+            "data=imagenet",
+            f"data.tfrecord_dir={out}",
+            "data.num_classes=3",
+            "prepare.index_only=true",
+            "prepare.processes=2",
+            *extra,
+        ]
+    )
+
+
+def test_shards_made_elsewhere_are_indexed_without_rewriting_them(tmp_path):
+    out = tmp_path / "tfrecords"
+    write_plain_shards(out, "train", [[1, 2, 3, 1], [2, 3, 3]])
+    write_plain_shards(out, "validation", [[1, 2, 3]])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    from distrepro.launch import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="prepare.index_only=true"):
+        validate(index_config(out))
+    metadata = prepare(index_config(out))
+    assert metadata["splits"] == {
+        "train": {"images": 7, "shards": 2},
+        "validation": {"images": 3, "shards": 1},
+    }
+    assert [c["synset"] for c in metadata["classes"]] == ["n00000001", "n00000002", "n00000003"]
+    assert json.loads((out / "metadata.json").read_text()) == metadata
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in before} == before
+    assert verify_dir(out) == {"train": 7, "validation": 3}
+    validate(index_config(out))
+
+
+@pytest.mark.parametrize("damage", ["label", "truncated", "missing_shard", "no_validation"])
+def test_indexing_refuses_bad_shards_naming_them(tmp_path, damage):
+    out = tmp_path / "tfrecords"
+    write_plain_shards(out, "train", [[1, 2], [3, 4 if damage == "label" else 1]])
+    if damage != "no_validation":
+        write_plain_shards(out, "validation", [[1, 2, 3]])
+    shard = out / "train-00001-of-00002"
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-30])
+    if damage == "missing_shard":
+        shard.unlink()
+    expected = {"no_validation": "no validation-", "missing_shard": "train-00001-of-00002"}
+    with pytest.raises(ValueError, match=expected.get(damage, str(shard))):
+        prepare(index_config(out))
+    assert not (out / "metadata.json").exists()

@@ -100,6 +100,7 @@ class TrainConfig:
 class PrepareConfig:
     processes: int = 0
     verify: bool = True
+    index_only: bool = False
 
 
 @dataclass

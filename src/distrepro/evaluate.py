@@ -14,7 +14,7 @@ import mlflow
 from omegaconf import DictConfig
 
 from distrepro import config, tracking
-from distrepro.data.convert import write_json_atomically
+from distrepro.atomic import write_json_atomically
 
 
 def evaluate(cfg: DictConfig) -> dict:

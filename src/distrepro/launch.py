@@ -44,11 +44,18 @@ def validate(cfg: DictConfig) -> None:
         )
     if strategy.name.value == "parameter_server" and strategy.num_ps < 1:
         raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
-    metadata = Path(cfg.data.tfrecord_dir) / "metadata.json"
-    if not metadata.is_file():
+    tfrecord_dir = Path(cfg.data.tfrecord_dir)
+    if not (tfrecord_dir / "metadata.json").is_file():
+        where = f"data={cfg.data.name} data.tfrecord_dir={tfrecord_dir}"
+        if any(tfrecord_dir.glob("train-*-of-*")):
+            raise ConfigError(
+                f"data.tfrecord_dir={str(tfrecord_dir)!r} holds shards but no metadata.json: "
+                f"index them once with `python -m distrepro.prepare {where} "
+                "prepare.index_only=true` (no shard is rewritten)"
+            )
         raise ConfigError(
-            f"data.tfrecord_dir={cfg.data.tfrecord_dir!r} holds no finished TFRecords "
-            f"({metadata} is missing): run `python -m distrepro.prepare data={cfg.data.name}`"
+            f"data.tfrecord_dir={str(tfrecord_dir)!r} holds no finished TFRecords "
+            f"(metadata.json is missing): run `python -m distrepro.prepare {where}`"
         )
 
 

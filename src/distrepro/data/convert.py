@@ -19,6 +19,7 @@ from pathlib import Path
 from PIL import Image as PILImage
 from tqdm import tqdm
 
+from distrepro.atomic import write_json_atomically
 from distrepro.data.raw import RawDataset
 from distrepro.data.tfrecord import example, write_record
 
@@ -201,12 +202,6 @@ def remove_temporaries(out_dir: Path) -> None:
     for split in SPLITS:
         for path in out_dir.glob(f".{split}-*.tmp"):
             path.unlink(missing_ok=True)
-
-
-def write_json_atomically(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 def verify_dir(out_dir: Path) -> dict[str, int]:

@@ -13,6 +13,7 @@ Accepted under `raw_dir` (the forms ILSVRC2012 is really distributed in):
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import tarfile
@@ -24,6 +25,7 @@ VAL_TAR = "ILSVRC2012_img_val.tar"
 VAL_DIRS = ("val", "validation")
 KAGGLE_VAL_LABELS = "LOC_val_solution.csv"
 SYNSET_TEXT_FILES = ("LOC_synset_mapping.txt", "synset_words.txt", "imagenet_metadata.txt")
+EXTRACTED_FROM = ".extracted-from.json"  # the stamp of a finished extraction
 
 
 class RawDataError(ValueError):
@@ -128,12 +130,17 @@ def read_synset_texts(raw_dir: Path) -> dict[str, str]:
 
 
 def extract_once(tar_path: Path, dest: Path, nested: bool) -> Path:
-    """Safely extract tar_path into dest (once; a rerun reuses it).
+    """Safely extract tar_path into dest, unless dest already holds this tar's files.
 
-    With nested=True, every member is itself a tar (`nXXXXXXXX.tar`) whose
-    files go to `dest/nXXXXXXXX/`.
+    dest is reused only when its stamp names this very tar (resolved path,
+    size, modification time); otherwise it is extracted anew beside it and
+    swapped in whole. The stamp is written last, so a killed extraction never
+    counts as finished. With nested=True, every member is itself a tar
+    (`nXXXXXXXX.tar`) whose files go to `dest/nXXXXXXXX/`.
     """
-    if dest.is_dir():
+    source = tar_source(tar_path)
+    stamp = dest / EXTRACTED_FROM
+    if stamp.is_file() and json.loads(stamp.read_text()) == source:
         return dest
     partial = dest.with_name(dest.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -153,8 +160,16 @@ def extract_once(tar_path: Path, dest: Path, nested: bool) -> Path:
                             write_member(inner, inner_member, subdir)
             else:
                 write_member(outer, member, partial, fileobj)
+    (partial / EXTRACTED_FROM).write_text(json.dumps(source))
+    shutil.rmtree(dest, ignore_errors=True)
     os.replace(partial, dest)
     return dest
+
+
+def tar_source(tar_path: Path) -> dict:
+    """What identifies a tar for reuse of its extraction."""
+    stat = tar_path.stat()
+    return {"path": str(tar_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def check_member(tar_path: Path, member: tarfile.TarInfo) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import tensorflow as tf
 import tf_keras as keras
 
-from distrepro.data.convert import write_json_atomically
+from distrepro.atomic import write_json_atomically
 
 POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
 STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
