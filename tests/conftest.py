@@ -180,8 +180,13 @@ def mlflow_uri(tmp_path, monkeypatch) -> str:
     return uri
 
 
+# Inherited by every process the tests start, so that they are told apart from
+# training processes of other runs on the same machine.
+TEST_SESSION = os.environ.setdefault("DISTREPRO_TEST_SESSION", str(os.getpid()))
+
+
 def training_processes() -> list:
-    """Training processes of this package still alive on the machine."""
+    """Training processes of this package that this test session started, still alive."""
     import psutil
 
     names = ("distrepro.ps_server", "distrepro.ps_train", "distrepro.horovod_train")
@@ -189,7 +194,11 @@ def training_processes() -> list:
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if any(name in cmdline for name in names):
-            alive.append(proc)
+            try:
+                if proc.environ().get("DISTREPRO_TEST_SESSION") == TEST_SESSION:
+                    alive.append(proc)
+            except psutil.Error:
+                pass  # exited meanwhile
     return alive
 
 
