@@ -27,9 +27,17 @@ def small_resnet(inputs, blocks_per_stage, base_width: int):
     return layers.GlobalAveragePooling2D()(x)
 
 
+MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
 def build_model(model_cfg, image_size: int, num_classes: int) -> keras.Model:
-    """Logits in float32 whatever the precision policy (for a stable loss)."""
-    inputs = keras.Input((image_size, image_size, 3))
+    """0-255 images in, normalized here; logits in float32 whatever the
+    precision policy (for a stable loss)."""
+    pixels = keras.Input((image_size, image_size, 3))
+    inputs = layers.Rescaling(
+        [1 / s for s in STDDEV_RGB], [-m / s for m, s in zip(MEAN_RGB, STDDEV_RGB, strict=True)]
+    )(pixels)
     if model_cfg.name == "resnet50":
         backbone = keras.applications.ResNet50(
             include_top=False, weights=None, input_tensor=inputs, pooling="avg"
@@ -38,4 +46,4 @@ def build_model(model_cfg, image_size: int, num_classes: int) -> keras.Model:
     else:
         features = small_resnet(inputs, model_cfg.blocks_per_stage, model_cfg.base_width)
     logits = layers.Dense(num_classes, dtype="float32", name="logits")(features)
-    return keras.Model(inputs, logits, name=model_cfg.name)
+    return keras.Model(pixels, logits, name=model_cfg.name)
