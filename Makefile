@@ -4,7 +4,7 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 # Registry pins only, for Linux x86_64 and Python 3.11 whatever machine compiles them.
 UV_COMPILE := uv pip compile --quiet --python-version 3.11 --python-platform x86_64-unknown-linux-gnu
 
-.PHONY: setup reproduce test ui lock
+.PHONY: setup reproduce test ui lock gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -22,3 +22,10 @@ ui:
 lock:
 	$(UV_COMPILE) requirements.in -o requirements.lock
 	$(UV_COMPILE) requirements-gpu.in -c requirements.lock -o requirements-gpu.lock
+
+# On a GPU machine: builds the GPU variant, then both strategies briefly on all GPUs.
+gpu-check:
+	@nvidia-smi -L 2>/dev/null | grep -q '^GPU ' || \
+	  { echo "gpu-check: this machine has no GPU (nvidia-smi lists none); stopping" >&2; exit 1; }
+	GPU=1 bash scripts/setup.sh
+	python benchmarks/gpu_check.py

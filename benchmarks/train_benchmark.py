@@ -3,7 +3,8 @@
 - this project's Horovod training on the digits TFRecords;
 - Horovod's synthetic-benchmark recipe (benchmarks/synthetic_horovod.py):
   same model, image size, per-rank batch and number of ranks, random data;
-- this project's parameter-server training at the same global batch.
+- this project's parameter-server training at the same global batch;
+- both again with `train.xla=true` (XLA auto-clustering of the step).
 
     python benchmarks/train_benchmark.py [--epochs 3] [--workers 2] [--batch 64]
 
@@ -25,16 +26,18 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def project_run(strategy: str, args, results: Path) -> float:
+def project_run(strategy: str, args, results: Path, xla: bool = False) -> float:
+    out = results / f"{strategy}-xla{xla}"
     overrides = [
         f"strategy={strategy}",
         f"strategy.num_workers={args.workers}",
         f"train.epochs={args.epochs}",
         f"train.global_batch_size={args.batch}",
-        f"results_dir={results / strategy}",
+        f"train.xla={xla}",
+        f"results_dir={out}",
     ]
     subprocess.run([sys.executable, "-m", "distrepro.launch", *overrides], cwd=REPO, check=True)
-    (metrics,) = (results / strategy).glob("*/metrics.json")
+    (metrics,) = out.glob("*/metrics.json")
     return json.loads(metrics.read_text())["images_per_sec"]
 
 
@@ -59,12 +62,18 @@ def main() -> None:
         steps_per_epoch = 1437 // args.batch
         synthetic = synthetic_run(args, steps_per_epoch * args.epochs)
         ps = project_run("parameter_server", args, Path(tmp))
+        horovod_xla = project_run("horovod", args, Path(tmp), xla=True)
+        ps_xla = project_run("parameter_server", args, Path(tmp), xla=True)
     result = {
         "project_horovod_images_per_sec": round(horovod, 1),
         "synthetic_horovod_images_per_sec": round(synthetic, 1),
         "project_parameter_server_images_per_sec": round(ps, 1),
         "project_over_synthetic": round(horovod / synthetic, 2),
         "horovod_over_parameter_server": round(horovod / ps, 2),
+        "project_horovod_xla_images_per_sec": round(horovod_xla, 1),
+        "project_parameter_server_xla_images_per_sec": round(ps_xla, 1),
+        "horovod_xla_over_no_xla": round(horovod_xla / horovod, 2),
+        "parameter_server_xla_over_no_xla": round(ps_xla / ps, 2),
     }
     print(json.dumps(result, indent=2))
 

@@ -98,3 +98,9 @@ def test_gpu_1_make_setup_stops_before_touching_the_cpu_environment(tmp_path):
     assert "is CUDA 13.0" in result.stderr and "GPU=0 builds the CPU variant" in result.stderr
     assert "installing" not in result.stdout and "building" not in result.stdout
     assert [p.read_text() if p.exists() else None for p in stamps] == before
+
+
+def test_gpu_check_says_there_is_no_gpu_and_stops(tmp_path):
+    result = setup_sh(tmp_path, ["make", "gpu-check"], gpus=None)
+    assert result.returncode != 0
+    assert "no GPU" in result.stderr and "setup" not in result.stdout

@@ -1,5 +1,6 @@
 """Training: both strategies on digits, Horovod averaging, bad configs,
-resume after a kill, no process left behind, mixed precision."""
+resume after a kill, no process left behind, mixed precision, MPI, GPU
+placement of the parameter-server tasks, XLA."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import mlflow
 import numpy as np
 import pytest
 from conftest import REPO, peak_learning_rates, training_processes
+from omegaconf import OmegaConf
 from omegaconf import errors as omegaconf_errors
+from test_setup import V100, stand_in
 
-from distrepro.config import compose_config, run_name
+from distrepro.config import compose_config, run_name, to_plain
 from distrepro.launch import ConfigError, validate
 
 PYTHON = sys.executable
@@ -168,12 +171,17 @@ def test_parameter_server_launcher_stops_its_tasks_on_failure_and_sigint(
     assert not training_processes()
 
 
-@pytest.mark.parametrize("precision", ["mixed_fp16", "mixed_bf16"])
-def test_mixed_precision_trains_a_few_steps(digits_tfrecords, tmp_path, mlflow_uri, precision):
+@pytest.mark.parametrize(
+    "precision, scale", [("mixed_fp16", "dynamic"), ("mixed_fp16", "128"), ("mixed_bf16", None)]
+)
+def test_mixed_precision_trains_a_few_steps(
+    digits_tfrecords, tmp_path, mlflow_uri, precision, scale
+):
     metrics = launch(
         digits_tfrecords,
         tmp_path / "runs",
         f"precision={precision}",
+        *([f"precision.loss_scale={scale}"] if scale else []),
         "strategy.num_workers=1",
         "train.epochs=1",
         "train.steps_per_epoch=4",
@@ -181,6 +189,8 @@ def test_mixed_precision_trains_a_few_steps(digits_tfrecords, tmp_path, mlflow_u
     )
     assert metrics["precision"] == precision
     assert math.isfinite(metrics["history"][0]["train_loss"])
+    run = mlflow.MlflowClient(mlflow_uri).get_run(metrics["mlflow_run_id"])
+    assert run.data.params["precision.loss_scale"] == (scale or "dynamic")
 
 
 def test_hydra_multirun_runs_each_point_as_a_child_of_one_parent(
@@ -224,3 +234,80 @@ def test_run_name_changes_with_any_value():
     base = run_name(compose_config([]))
     assert base == run_name(compose_config([]))
     assert base != run_name(compose_config(["train.weight_decay=0.0"]))
+
+
+def test_horovod_over_mpi_learns_digits_as_gloo_does(digits_tfrecords, tmp_path, mlflow_uri):
+    metrics = launch(
+        digits_tfrecords, tmp_path / "runs", "strategy.controller=mpi", "train.epochs=6"
+    )
+    assert metrics["top1"] >= 0.90, metrics["history"]
+    run = mlflow.MlflowClient(mlflow_uri).get_run(metrics["mlflow_run_id"])
+    assert run.data.params["strategy.controller"] == "mpi"
+    assert run.data.params["devices"].count(": cpu") == 2  # both ranks, no GPU here
+    assert not training_processes()
+
+
+def test_parameter_server_tasks_get_their_own_gpus(digits_tfrecords, tmp_path, mlflow_uri):
+    bin_dir = tmp_path / "bin"  # this machine as the launcher sees it: four GPUs
+    gpus = "\n".join(V100.replace("GPU 0", f"GPU {i}") for i in range(4))
+    stand_in(bin_dir / "nvidia-smi", gpus)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    results = tmp_path / "runs"
+    args = launch_args(
+        digits_tfrecords,
+        results,
+        "strategy=parameter_server",
+        "strategy.gpus_per_worker=2",
+        "train.epochs=1",
+        "train.steps_per_epoch=20",
+    )
+    proc = subprocess.Popen(args, cwd=REPO, env=env)
+    seen = {}
+    try:
+        deadline = time.monotonic() + 300
+        while len(seen) < 4 and time.monotonic() < deadline and proc.poll() is None:
+            for task in training_processes():
+                cmdline = task.cmdline()
+                name = (
+                    "coordinator" if "distrepro.ps_train" in cmdline else ":".join(cmdline[-3:-1])
+                )
+                seen[name] = task.environ().get("CUDA_VISIBLE_DEVICES")
+            time.sleep(0.2)
+        assert proc.wait(300) == 0
+    finally:
+        proc.kill()
+    assert seen == {"worker:0": "0,1", "worker:1": "2,3", "ps:0": "", "coordinator": ""}
+    (run_dir,) = results.iterdir()
+    run = mlflow.MlflowClient(mlflow_uri).get_run((run_dir / "mlflow_run_id").read_text())
+    assert "worker:1: GPU 2,3" in run.data.params["devices"]
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "parameter_server"])
+def test_xla_compiles_the_training_step(digits_tfrecords, tmp_path, mlflow_uri, strategy):
+    args = launch_args(
+        digits_tfrecords,
+        tmp_path / "runs",
+        f"strategy={strategy}",
+        "train.xla=true",
+        "train.epochs=1",
+        "train.steps_per_epoch=10",
+        "train.warmup_steps_excluded=1",
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}  # XLA says so at INFO level
+    result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Compiled cluster using XLA" in result.stdout + result.stderr
+    (metrics,) = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*/metrics.json")]
+    assert math.isfinite(metrics["history"][0]["train_loss"])
+
+
+@pytest.mark.parametrize("scale, dynamic", [("dynamic", True), ("1024", False)])
+def test_fp16_loss_scale_is_dynamic_or_fixed(scale, dynamic):
+    from distrepro.training.core import make_optimizer
+
+    cfg = compose_config(["precision=mixed_fp16", f"precision.loss_scale={scale}"])
+    optimizer = make_optimizer(OmegaConf.create(to_plain(cfg)), 0.1, 10)  # as a run reads it
+    assert optimizer.dynamic is dynamic
+    if not dynamic:
+        assert float(optimizer.loss_scale) == 1024.0

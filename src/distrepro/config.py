@@ -79,6 +79,7 @@ class StrategyConfig:
 @dataclass
 class PrecisionConfig:
     name: PrecisionName = MISSING
+    loss_scale: str = "dynamic"  # mixed_fp16 only: "dynamic" or a fixed number
 
 
 @dataclass
@@ -94,6 +95,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     warmup_steps_excluded: int = 5
     steps_per_epoch: Optional[int] = None
+    xla: bool = False
 
 
 @dataclass

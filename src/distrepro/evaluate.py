@@ -20,12 +20,13 @@ from distrepro.atomic import write_json_atomically
 def evaluate(cfg: DictConfig) -> dict:
     import tensorflow as tf
 
-    from distrepro.training.core import Trainer, set_precision
+    from distrepro.training.core import Trainer, set_precision, use_gpu
     from distrepro.training.inputs import make_dataset, read_metadata
     from distrepro.training.models import build_model
 
     run_dir = Path(cfg.results_dir) / config.run_name(cfg)
     metrics = json.loads((run_dir / "metrics.json").read_text())
+    use_gpu(0)  # one GPU, where there is one
     set_precision(cfg.precision.name.value)
     metadata = read_metadata(cfg.data.tfrecord_dir)
     model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ def main(config_path: str) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     threads = core.set_threads(hvd.local_size())
+    device = core.use_gpu(hvd.local_rank() if cfg.strategy.gpus_per_worker else None)
+    devices = hvd.allgather_object(f"rank {rank} on {socket.gethostname()}: {device}")
     core.set_precision(cfg.precision.name)
     tf.random.set_seed(cfg.seed)
     metadata = read_metadata(cfg.data.tfrecord_dir)
@@ -56,6 +59,7 @@ def main(config_path: str) -> None:
         extra = {
             "threads_per_process": threads,
             "ranks": size,
+            "devices": "; ".join(devices),
             "peak_learning_rate": peak,
         }
         run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)

@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from distrepro.config import run_name, to_plain
+from distrepro.devices import assign_gpus, host_gpus, parameter_server_devices
 
 BIN = Path(sys.executable).parent
 HOROVOD_MODULE = "distrepro.horovod_train"
@@ -44,6 +45,10 @@ def validate(cfg: DictConfig) -> None:
         )
     if strategy.name.value == "parameter_server" and strategy.num_ps < 1:
         raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
+    validate_devices(strategy)
+    scale = cfg.precision.loss_scale
+    if scale != "dynamic" and not (is_number(scale) and float(scale) > 0):
+        raise ConfigError(f"precision.loss_scale={scale!r} must be 'dynamic' or a positive number")
     tfrecord_dir = Path(cfg.data.tfrecord_dir)
     if not (tfrecord_dir / "metadata.json").is_file():
         where = f"data={cfg.data.name} data.tfrecord_dir={tfrecord_dir}"
@@ -57,6 +62,41 @@ def validate(cfg: DictConfig) -> None:
             f"data.tfrecord_dir={str(tfrecord_dir)!r} holds no finished TFRecords "
             f"(metadata.json is missing): run `python -m distrepro.prepare {where}`"
         )
+
+
+def validate_devices(strategy: DictConfig) -> None:
+    """Refuse, before anything starts, more GPUs than this machine has."""
+    if strategy.name.value == "horovod" and strategy.gpus_per_worker > 1:
+        raise ConfigError(
+            f"strategy.gpus_per_worker={strategy.gpus_per_worker}: Horovod uses one GPU per "
+            "rank; ask for more ranks (strategy.num_workers) instead"
+        )
+    if strategy.gpus_per_worker and not strategy.hosts:
+        try:
+            assign_gpus(strategy.num_workers, strategy.gpus_per_worker, host_gpus())
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def process_env(cfg: DictConfig) -> dict[str, str]:
+    """What every training process of cfg gets in its environment."""
+    env = {"GRPC_FAIL_FAST": "use_caller"}
+    if cfg.train.xla:
+        # XLA auto-clustering of the training step, in every process that runs it.
+        env["TF_XLA_FLAGS"] = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit"
+    if cfg.strategy.controller == "mpi" and os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    if not cfg.strategy.gpus_per_worker and host_gpus():
+        env["CUDA_VISIBLE_DEVICES"] = ""  # asked for no GPU: TF would take them all
+    return env
 
 
 def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
@@ -142,15 +182,23 @@ def run_parameter_server(cfg: DictConfig, config_path: Path) -> int:
         "worker": [f"127.0.0.1:{p}" for p in ports[:n]],
         "ps": [f"127.0.0.1:{p}" for p in ports[n:]],
     }
-    env = {"DISTREPRO_CLUSTER": json.dumps(cluster), "GRPC_FAIL_FAST": "use_caller"}
+    devices = parameter_server_devices(n, m, cfg.strategy.gpus_per_worker, host_gpus())
+    env = {
+        **process_env(cfg),
+        "DISTREPRO_CLUSTER": json.dumps(cluster),
+        "DISTREPRO_DEVICES": json.dumps(devices),
+    }
     threads = str(max(1, (os.cpu_count() or 1) // (n + m + 1)))
     tasks = [("worker", i) for i in range(n)] + [("ps", i) for i in range(m)]
     processes = []
     try:
         for job, index in tasks:
             server = [sys.executable, "-m", "distrepro.ps_server", job, str(index), threads]
-            processes.append(start(server, env))
-        coordinator = start([sys.executable, "-m", "distrepro.ps_train", str(config_path)], env)
+            processes.append(start(server, {**env, **devices.get(f"{job}:{index}", {})}))
+        coordinator = start(
+            [sys.executable, "-m", "distrepro.ps_train", str(config_path)],
+            {**env, **devices.get("coordinator", {})},
+        )
         processes.append(coordinator)
         return supervise(coordinator, processes[:-1])
     finally:
@@ -168,7 +216,7 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     ensure_experiment(cfg.mlflow_experiment)
     config_path = run_dir / "config.yaml"
     if cfg.strategy.name.value == "horovod":
-        proc = start(horovod_command(cfg, config_path))
+        proc = start(horovod_command(cfg, config_path), process_env(cfg))
         try:
             code = proc.wait()
         finally:

@@ -13,6 +13,8 @@ import tensorflow as tf
 
 def main(job: str, index: int, threads: int) -> None:
     cluster = tf.train.ClusterSpec(json.loads(os.environ["DISTREPRO_CLUSTER"]))
+    for gpu in tf.config.list_physical_devices("GPU"):  # those CUDA_VISIBLE_DEVICES gives
+        tf.config.experimental.set_memory_growth(gpu, True)
     # One inter-op thread more than the share, as in training.core.set_threads.
     config = tf.compat.v1.ConfigProto(
         intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads + 1

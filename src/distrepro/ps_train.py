@@ -27,6 +27,23 @@ def cluster_resolver():
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
 
 
+def task_devices() -> str:
+    """The GPUs the launcher gave each task, as CUDA_VISIBLE_DEVICES."""
+    assigned = json.loads(os.environ.get("DISTREPRO_DEVICES") or "{}")
+    if not assigned:
+        return (
+            "cpu (no GPU on this host)"
+            if "TF_CONFIG" not in os.environ
+            else "set by TF_CONFIG hosts"
+        )
+    return "; ".join(
+        f"{task}: GPU {env['CUDA_VISIBLE_DEVICES']}"
+        if env["CUDA_VISIBLE_DEVICES"]
+        else f"{task}: cpu"
+        for task, env in assigned.items()
+    )
+
+
 def main(config_path: str) -> None:
     cfg = OmegaConf.load(config_path)
     run_dir = Path(config_path).parent
@@ -78,6 +95,7 @@ def main(config_path: str) -> None:
     extra = {
         "threads_per_process": threads,
         "steps_per_call": steps_per_call,
+        "devices": task_devices(),
         "peak_learning_rate": peak,
     }
     run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)

@@ -30,6 +30,17 @@ def set_threads(processes_on_host: int) -> int:
     return threads
 
 
+def use_gpu(index: int | None) -> str:
+    """Make the index-th visible GPU this process's only one (memory growing as
+    needed, not all reserved); None: no GPU. Returns the device used."""
+    gpus = tf.config.list_physical_devices("GPU")
+    chosen = gpus[index : index + 1] if index is not None else []
+    tf.config.set_visible_devices(chosen, "GPU")
+    for gpu in chosen:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    return chosen[0].name if chosen else "cpu"
+
+
 def set_precision(name: str) -> None:
     keras.mixed_precision.set_global_policy(POLICIES[name])
 
@@ -74,9 +85,14 @@ def make_optimizer(cfg, peak: float, updates_per_epoch: int):
         str(train.lr_decay),
     )
     optimizer = keras.optimizers.SGD(schedule, momentum=train.momentum)
-    if str(cfg.precision.name) == "mixed_fp16":
-        optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)  # dynamic
-    return optimizer
+    if str(cfg.precision.name) != "mixed_fp16":
+        return optimizer
+    scale = cfg.precision.loss_scale
+    if scale == "dynamic":
+        return keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return keras.mixed_precision.LossScaleOptimizer(
+        optimizer, dynamic=False, initial_scale=float(scale)
+    )
 
 
 class Trainer:
