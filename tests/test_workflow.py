@@ -96,8 +96,11 @@ def test_two_point_sweep_runs_side_by_side_under_one_parent(reproduced):
 
 def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
     dry = run(["snakemake", "-n", "--config", "experiment=aws_blog_8gpu"], REPO).stdout
-    assert "horovodrun -np 8 -H localhost:8" in dry
+    assert "horovodrun -np 8 -H localhost:8 --mpi" in dry
     assert "1 ps + 8 workers + 1 coordinator" in dry
+    assert dry.count("8 GPUs, 1 per worker") == 2  # both training jobs
+    evaluate_resources = re.findall(r"rule evaluate:.*?resources: ([^\n]*)", dry, re.S)
+    assert len(evaluate_resources) == 2 and all("gpus=1" in r for r in evaluate_resources)
     assert "1024 train / 128 validation shards" in dry
     assert dry.count("90 epochs, global batch 2048, mixed_fp16") == 2
 

@@ -124,6 +124,9 @@ def describe(cfg: DictConfig) -> str:
         processes = shlex.join(["horovodrun", *options, "python", "-m", HOROVOD_MODULE])
     else:
         processes = f"{strategy.num_ps} ps + {strategy.num_workers} workers + 1 coordinator"
+    if strategy.gpus_per_worker:
+        gpus = strategy.num_workers * strategy.gpus_per_worker
+        processes += f"; {gpus} GPUs, {strategy.gpus_per_worker} per worker"
     return (
         f"{processes}; {cfg.model.name} on {cfg.data.name}, {train.epochs} epochs, "
         f"global batch {train.global_batch_size}, {cfg.precision.name.value}"
