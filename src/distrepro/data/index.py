@@ -68,6 +68,23 @@ def scan_shard(path: str) -> tuple[str, int, Counter, dict[int, str]]:
     return path, labels.total(), labels, synsets
 
 
+def check_shard(path: str) -> str | None:
+    """What is wrong with one shard's framing, or None."""
+    try:
+        for _ in read_records(path):
+            pass
+    except (OSError, ValueError) as error:
+        return str(error)
+    return None
+
+
+def damaged_shards(tfrecord_dir: Path, processes: int = 0) -> list[str]:
+    """`path: what is wrong` for every shard that does not read to its end."""
+    paths = sorted(str(p) for split in SPLITS for p in tfrecord_dir.glob(f"{split}-*-of-*"))
+    with multiprocessing.get_context("spawn").Pool(processes or os.cpu_count()) as pool:
+        return [problem for problem in pool.map(check_shard, paths) if problem]
+
+
 def index_dir(tfrecord_dir: Path, name: str, num_classes: int, processes: int = 0) -> dict:
     """Scan every shard and write tfrecord_dir/metadata.json; return it."""
     shards = find_shards(tfrecord_dir)

@@ -220,12 +220,15 @@ def train_loop(
     history = files.restore()
     for epoch in range(len(history), cfg.train.epochs):
         trainer.reset_metrics()
-        start = tf.timestamp()
-        run_updates(warmup)
-        timed_start = tf.timestamp()
-        run_updates(updates_per_epoch - warmup)
-        end = tf.timestamp()
-        top1, top5, images = count_correct().numpy()
+        try:
+            start = tf.timestamp()
+            run_updates(warmup)
+            timed_start = tf.timestamp()
+            run_updates(updates_per_epoch - warmup)
+            end = tf.timestamp()
+            top1, top5, images = count_correct().numpy()
+        except tf.errors.DataLossError:
+            raise SystemExit(damage_report(cfg.data.tfrecord_dir)) from None
         record = {
             "epoch": epoch + 1,
             "train_loss": float(trainer.train_loss.result()),
@@ -248,6 +251,19 @@ def train_loop(
                 flush=True,
             )
     return history
+
+
+def damage_report(tfrecord_dir: str) -> str:
+    """TensorFlow's DataLossError names no file: find the damaged shards."""
+    from distrepro.data.index import damaged_shards
+
+    problems = damaged_shards(Path(tfrecord_dir)) or ["(every shard reads to its end now)"]
+    return (
+        f"damaged TFRecords in data.tfrecord_dir={tfrecord_dir!r}:\n  "
+        + "\n  ".join(problems)
+        + "\nRestore them (`dvc status` lists tracked data that changed; `dvc pull` or "
+        "`dvc repro` restores it), then start the run again: it resumes from its last checkpoint."
+    )
 
 
 def finish(cfg, files: RunFiles, history: list[dict], run_id: str) -> dict:
