@@ -1,6 +1,6 @@
 # A training job counts a core per worker, so that the two strategies of
 # `reproduce` are timed alone on a 2-core machine; 1-worker sweep points run
-# side by side.
+# side by side. A failed or killed job is retried and resumes from its checkpoint.
 rule train:
     input:
         unpack(train_inputs),
@@ -10,6 +10,7 @@ rule train:
         "logs/train/{run}.log",
     benchmark:
         "results/benchmarks/train/{run}.tsv"
+    retries: config["train_retries"]
     conda:
         "../../environment.yml"
     threads: workers_of
