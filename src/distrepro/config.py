@@ -96,6 +96,7 @@ class TrainConfig:
     warmup_steps_excluded: int = 5
     steps_per_epoch: Optional[int] = None
     xla: bool = False
+    max_restarts: int = 3
 
 
 @dataclass

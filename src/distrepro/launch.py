@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from distrepro.atomic import write_json_atomically
 from distrepro.config import run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus, parameter_server_devices
 
@@ -36,6 +37,8 @@ def validate(cfg: DictConfig) -> None:
     train, strategy = cfg.train, cfg.strategy
     if train.epochs < 1:
         raise ConfigError(f"train.epochs={train.epochs} must be at least 1")
+    if train.max_restarts < 0:
+        raise ConfigError(f"train.max_restarts={train.max_restarts} must be at least 0")
     if strategy.num_workers < 1:
         raise ConfigError(f"strategy.num_workers={strategy.num_workers} must be at least 1")
     if train.global_batch_size % strategy.num_workers:
@@ -168,17 +171,54 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
 
 
-def supervise(main: subprocess.Popen, helpers: list[subprocess.Popen]) -> int:
-    """Wait for main; a helper that dies first fails the run."""
-    while main.poll() is None:
-        dead = [p for p in helpers if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"task pid {dead[0].pid} exited with {dead[0].returncode}")
+class TrainingFailed(RuntimeError):
+    """The run failed more often than train.max_restarts allows."""
+
+
+class Restarts:
+    """The restarts of one launch, at most train.max_restarts, each printed and
+    recorded with the run's earlier ones (run_dir/restarts.json and the MLflow
+    run's metric `restarts`)."""
+
+    def __init__(self, limit: int, run_dir: Path):
+        self.limit, self.used, self.path = limit, 0, run_dir / "restarts.json"
+        self.causes: list[str] = json.loads(self.path.read_text()) if self.path.exists() else []
+
+    def record(self, cause: str) -> None:
+        if self.used >= self.limit:
+            raise TrainingFailed(
+                f"{cause}; giving up: train.max_restarts={self.limit} restarts already used"
+            )
+        self.used += 1
+        self.causes.append(cause)
+        write_json_atomically(self.path, self.causes)
+        print(f"launch: {cause}; restart {self.used} of at most {self.limit}", flush=True)
+        from distrepro.tracking import log_restarts
+
+        log_restarts(self.path.parent, self.causes)
+
+
+def supervise(
+    coordinator: subprocess.Popen, tasks: dict, restart, restarts: Restarts
+) -> str | None:
+    """Wait for the coordinator; return why it failed, or None. A dead worker
+    task is started again on its address (TF's coordinator reruns its lost
+    steps); a dead ps task ends the attempt, as TF cannot recover from it."""
+    while coordinator.poll() is None:
+        for name, proc in list(tasks.items()):
+            if proc.poll() is None:
+                continue
+            cause = f"task {name} (pid {proc.pid}) exited with {proc.returncode}"
+            if not name.startswith("worker"):
+                return cause
+            restarts.record(cause)
+            tasks[name] = restart(name)
         time.sleep(0.2)
-    return main.returncode
+    code = coordinator.returncode
+    return f"the coordinator exited with {code}" if code else None
 
 
-def run_parameter_server(cfg: DictConfig, config_path: Path) -> int:
+def run_parameter_server(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
     n, m = cfg.strategy.num_workers, cfg.strategy.num_ps
     ports = free_ports(n + m)
     cluster = {
@@ -192,20 +232,33 @@ def run_parameter_server(cfg: DictConfig, config_path: Path) -> int:
         "DISTREPRO_DEVICES": json.dumps(devices),
     }
     threads = str(max(1, (os.cpu_count() or 1) // (n + m + 1)))
-    tasks = [("worker", i) for i in range(n)] + [("ps", i) for i in range(m)]
-    processes = []
+
+    def start_task(name: str) -> subprocess.Popen:
+        job, index = name.split(":")
+        server = [sys.executable, "-m", "distrepro.ps_server", job, index, threads]
+        return start(server, {**env, **devices.get(name, {})})
+
+    names = [f"worker:{i}" for i in range(n)] + [f"ps:{i}" for i in range(m)]
+    tasks: dict[str, subprocess.Popen] = {}
+    coordinator = None
     try:
-        for job, index in tasks:
-            server = [sys.executable, "-m", "distrepro.ps_server", job, str(index), threads]
-            processes.append(start(server, {**env, **devices.get(f"{job}:{index}", {})}))
+        tasks = {name: start_task(name) for name in names}
         coordinator = start(
             [sys.executable, "-m", "distrepro.ps_train", str(config_path)],
             {**env, **devices.get("coordinator", {})},
         )
-        processes.append(coordinator)
-        return supervise(coordinator, processes[:-1])
+        return supervise(coordinator, tasks, start_task, restarts)
     finally:
-        stop(processes)
+        stop([*tasks.values(), *([coordinator] if coordinator else [])])
+
+
+def run_horovod(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
+    proc = start(horovod_command(cfg, config_path), process_env(cfg))
+    try:
+        code = proc.wait()
+    finally:
+        stop([proc])
+    return f"horovodrun exited with {code}" if code else None
 
 
 def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
@@ -218,16 +271,11 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
 
     ensure_experiment(cfg.mlflow_experiment)
     config_path = run_dir / "config.yaml"
-    if cfg.strategy.name.value == "horovod":
-        proc = start(horovod_command(cfg, config_path), process_env(cfg))
-        try:
-            code = proc.wait()
-        finally:
-            stop([proc])
-    else:
-        code = run_parameter_server(cfg, config_path)
-    if code != 0:
-        raise RuntimeError(f"training of {run_dir} failed with exit code {code}")
+    run = run_horovod if cfg.strategy.name.value == "horovod" else run_parameter_server
+    restarts = Restarts(cfg.train.max_restarts, run_dir)
+    while (cause := run(cfg, config_path, restarts)) is not None:
+        # Every process is stopped; started again, the run resumes from its checkpoint.
+        restarts.record(cause)
     return run_dir
 
 
@@ -256,7 +304,7 @@ def main(cfg: DictConfig) -> None:
         validate(cfg)
         cfg.mlflow_parent_run_id = multirun_parent(cfg)
         run_dir = launch(cfg, list(HydraConfig.get().overrides.task))
-    except ConfigError as error:
+    except (ConfigError, TrainingFailed) as error:
         raise SystemExit(f"launch: {error}") from None
     print(
         json.dumps(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -80,7 +81,23 @@ def start_run(plain_cfg: dict, run_dir: Path, extra_params: dict) -> str:
     mlflow.log_params({**flatten(plain_cfg), **extra_params})
     mlflow.log_artifact(str(run_dir / "config.yaml"))
     id_file.write_text(run.info.run_id)
+    restarts = run_dir / "restarts.json"
+    if restarts.exists():
+        log_restarts(run_dir, json.loads(restarts.read_text()))
     return run.info.run_id
+
+
+def log_restarts(run_dir: Path, causes: list[str]) -> None:
+    """The run's restarts so far: metric `restarts`, one tag per cause. Before
+    the run exists they wait in restarts.json; start_run logs them."""
+    id_file = run_dir / "mlflow_run_id"
+    if not id_file.exists():
+        return
+    client = mlflow.MlflowClient(tracking_uri())
+    run_id = id_file.read_text().strip()
+    client.log_metric(run_id, "restarts", len(causes), step=len(causes))
+    for number, cause in enumerate(causes, 1):
+        client.set_tag(run_id, f"restart.{number}", cause)
 
 
 def start_parent(experiment: str, name: str) -> str:
