@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -311,3 +312,79 @@ def test_fp16_loss_scale_is_dynamic_or_fixed(scale, dynamic):
     assert optimizer.dynamic is dynamic
     if not dynamic:
         assert float(optimizer.loss_scale) == 1024.0
+
+
+def test_a_truncated_shard_is_named_and_the_run_goes_on_once_it_is_restored(
+    digits_tfrecords, tmp_path, mlflow_uri
+):
+    tfrecords = tmp_path / "tfrecords"
+    shutil.copytree(digits_tfrecords, tfrecords)
+    shard = tfrecords / "train-00001-of-00004"
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])
+    results = tmp_path / "runs"
+    args = launch_args(
+        tfrecords, results, "strategy.num_workers=1", "train.epochs=1", "train.steps_per_epoch=40"
+    )
+    failed = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert failed.returncode != 0
+    assert f"{shard}: truncated or corrupt record at byte" in failed.stderr + failed.stdout
+    assert "dvc pull" in failed.stderr + failed.stdout
+    assert not training_processes()
+
+    shard.write_bytes(good)
+    metrics = launch(tfrecords, results, *args[5:])
+    (run_dir,) = results.iterdir()
+    assert metrics["mlflow_run_id"] == (run_dir / "mlflow_run_id").read_text()
+
+
+def kill_task_after_first_checkpoint(args: list[str], results: Path, task: str):
+    """Run the launcher; once epoch 1 is checkpointed, kill -9 the ps_server
+    `task` ("worker 1", "ps 0") once; return the finished launcher."""
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list(results.glob("*/checkpoints/ckpt-1.index")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (victim,) = [p for p in training_processes() if " ".join(p.cmdline()[-3:-1]) == task]
+        victim.kill()
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    return proc.returncode, output
+
+
+@pytest.mark.parametrize("task", ["worker 1", "ps 0"])
+def test_parameter_server_run_survives_a_killed_task(digits_tfrecords, tmp_path, mlflow_uri, task):
+    results = tmp_path / "runs"
+    args = launch_args(digits_tfrecords, results, "strategy=parameter_server", "train.epochs=4")
+    code, output = kill_task_after_first_checkpoint(args, results, task)
+    assert code == 0, output[-3000:]
+    assert f"task {task.replace(' ', ':')}" in output and "restart 1 of at most 3" in output
+    (metrics,) = [json.loads(p.read_text()) for p in results.glob("*/metrics.json")]
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    assert metrics["top1"] > 0.5, metrics["history"]  # chance is 0.1
+    client = mlflow.MlflowClient(mlflow_uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.data.metrics["restarts"] >= 1
+    assert "exited with -9" in run.data.tags["restart.1"]
+    assert not training_processes()
+
+
+def test_a_run_that_keeps_failing_stops_after_max_restarts(digits_tfrecords, tmp_path):
+    results = tmp_path / "runs"
+    args = launch_args(
+        digits_tfrecords,
+        results,
+        "strategy=parameter_server",
+        "train.epochs=4",
+        "train.max_restarts=0",
+    )
+    code, output = kill_task_after_first_checkpoint(args, results, "worker 0")
+    assert code != 0
+    assert "task worker:0" in output and "exited with -9" in output
+    assert "giving up: train.max_restarts=0 restarts already used" in output
+    assert not training_processes()
