@@ -43,9 +43,10 @@ def gpu_processes(seen: dict[str, set[str]], stop: threading.Event) -> None:
 
 
 def role(cmdline: list[str]) -> str:
-    """ "horovod_train", "ps_train" (the coordinator), or "worker 3" / "ps 0"."""
-    module = cmdline[cmdline.index("-m") + 1] if "-m" in cmdline else cmdline[0]
-    return " ".join(cmdline[-3:-1]) if module.endswith("ps_server") else module.split(".")[-1]
+    """ "horovod rank", "coordinator", or a parameter-server task, "worker 3" / "ps 0"."""
+    if "distrepro.strategies.horovod" in cmdline:
+        return "horovod rank"
+    return "coordinator" if "coordinator" in cmdline else " ".join(cmdline[-3:-1])
 
 
 def run(strategy: str, gpus: int, data_overrides: list[str], steps: int, tmp: Path) -> dict:

@@ -189,7 +189,7 @@ def training_processes() -> list:
     """Training processes of this package that this test session started, still alive."""
     import psutil
 
-    names = ("distrepro.ps_server", "distrepro.ps_train", "distrepro.horovod_train")
+    names = ("distrepro.strategies.parameter_server", "distrepro.strategies.horovod")
     alive = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])

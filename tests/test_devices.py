@@ -10,7 +10,8 @@ from test_setup import V100, stand_in
 
 from distrepro.config import compose_config
 from distrepro.devices import assign_gpus, host_gpus, parameter_server_devices
-from distrepro.launch import ConfigError, process_env, validate
+from distrepro.launch import ConfigError, validate
+from distrepro.processes import process_env
 
 EIGHT = [str(i) for i in range(8)]
 

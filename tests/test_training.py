@@ -270,9 +270,7 @@ def test_parameter_server_tasks_get_their_own_gpus(digits_tfrecords, tmp_path, m
         while len(seen) < 4 and time.monotonic() < deadline and proc.poll() is None:
             for task in training_processes():
                 cmdline = task.cmdline()
-                name = (
-                    "coordinator" if "distrepro.ps_train" in cmdline else ":".join(cmdline[-3:-1])
-                )
+                name = "coordinator" if "coordinator" in cmdline else ":".join(cmdline[-3:-1])
                 seen[name] = task.environ().get("CUDA_VISIBLE_DEVICES")
             time.sleep(0.2)
         assert proc.wait(300) == 0
@@ -339,8 +337,8 @@ def test_a_truncated_shard_is_named_and_the_run_goes_on_once_it_is_restored(
 
 
 def kill_task_after_first_checkpoint(args: list[str], results: Path, task: str):
-    """Run the launcher; once epoch 1 is checkpointed, kill -9 the ps_server
-    `task` ("worker 1", "ps 0") once; return the finished launcher."""
+    """Run the launcher; once epoch 1 is checkpointed, kill -9 the parameter-server
+    `task` ("worker 1", "ps 0") once; return the launcher's exit code and output."""
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

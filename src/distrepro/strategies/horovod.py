@@ -1,4 +1,8 @@
-"""One Horovod rank (started by horovodrun through the launcher)."""
+"""Horovod: `horovodrun` starts one rank per worker; each rank averages its
+gradients with the others' (allreduce over Gloo, MPI or NCCL).
+
+The launcher side (`run`) imports no TensorFlow; the ranks run
+`python -m distrepro.strategies.horovod CONFIG`."""
 
 from __future__ import annotations
 
@@ -6,17 +10,42 @@ import socket
 import sys
 from pathlib import Path
 
-import horovod.tensorflow as hvd
-import tensorflow as tf
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from distrepro import tracking
-from distrepro.training import core
-from distrepro.training.inputs import make_dataset, read_metadata
-from distrepro.training.models import build_model
+from distrepro.processes import Restarts, process_env, start, stop
+
+MODULE = "distrepro.strategies.horovod"
 
 
-def main(config_path: str) -> None:
+def command(cfg: DictConfig, config_path: Path) -> list[str]:
+    n = cfg.strategy.num_workers
+    controller = "--mpi" if cfg.strategy.controller == "mpi" else "--gloo"
+    hosts = cfg.strategy.hosts or f"localhost:{n}"
+    program = [sys.executable, "-m", MODULE, str(config_path)]
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    return [str(horovodrun), "-np", str(n), "-H", hosts, controller, *program]
+
+
+def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
+    """Run the job once; return why it failed, or None."""
+    proc = start(command(cfg, config_path), process_env(cfg))
+    try:
+        code = proc.wait()
+    finally:
+        stop([proc])
+    return f"horovodrun exited with {code}" if code else None
+
+
+def rank_main(config_path: str) -> None:
+    """One rank: init, pin a GPU, wrap the tape, broadcast, train; rank 0 logs."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from distrepro import tracking
+    from distrepro.training import core
+    from distrepro.training.inputs import make_dataset, read_metadata
+    from distrepro.training.models import build_model
+
     cfg = OmegaConf.load(config_path)
     run_dir = Path(config_path).parent
     hvd.init()
@@ -80,4 +109,4 @@ def main(config_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    rank_main(sys.argv[1])

@@ -1,0 +1,94 @@
+"""Starting, stopping and restarting the processes of a training run.
+
+Each process is started in a session of its own and stopped with its whole
+process group, by pid, when training ends, fails or is interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from distrepro.atomic import write_json_atomically
+from distrepro.devices import host_gpus
+
+
+class TrainingFailed(RuntimeError):
+    """The run failed more often than train.max_restarts allows."""
+
+
+class Restarts:
+    """The restarts of one launch, at most train.max_restarts, each printed and
+    recorded with the run's earlier ones (run_dir/restarts.json and the MLflow
+    run's metric `restarts`)."""
+
+    def __init__(self, limit: int, run_dir: Path):
+        self.limit, self.used, self.path = limit, 0, run_dir / "restarts.json"
+        self.causes: list[str] = json.loads(self.path.read_text()) if self.path.exists() else []
+
+    def record(self, cause: str) -> None:
+        if self.used >= self.limit:
+            raise TrainingFailed(
+                f"{cause}; giving up: train.max_restarts={self.limit} restarts already used"
+            )
+        self.used += 1
+        self.causes.append(cause)
+        write_json_atomically(self.path, self.causes)
+        print(f"launch: {cause}; restart {self.used} of at most {self.limit}", flush=True)
+        from distrepro.tracking import log_restarts
+
+        log_restarts(self.path.parent, self.causes)
+
+
+def process_env(cfg: DictConfig) -> dict[str, str]:
+    """What every training process of cfg gets in its environment."""
+    env = {"GRPC_FAIL_FAST": "use_caller"}
+    if cfg.train.xla:
+        # XLA auto-clustering of the training step, in every process that runs it.
+        env["TF_XLA_FLAGS"] = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit"
+    if cfg.strategy.controller == "mpi" and os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    if not cfg.strategy.gpus_per_worker and host_gpus():
+        env["CUDA_VISIBLE_DEVICES"] = ""  # asked for no GPU: TF would take them all
+    return env
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """Signal the process group the launcher started proc in (its children too)."""
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass  # the whole group has already exited
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM each process group, then SIGKILL what is left after 5 s."""
+    for proc in processes:
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    for proc in processes:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports

@@ -1,0 +1,211 @@
+"""TensorFlow's parameter-server training: ps and worker tasks are
+`tf.distribute.Server`s in processes of their own; the coordinator
+(ParameterServerStrategy + ClusterCoordinator) schedules asynchronous steps
+on the workers. A dead worker task is started again on its address and the
+coordinator reruns its lost steps; a dead ps task ends the attempt.
+
+The cluster comes from TF_CONFIG when set (several machines), else from
+DISTREPRO_CLUSTER, written by the launcher for its localhost tasks.
+
+    python -m distrepro.strategies.parameter_server task JOB INDEX THREADS
+    python -m distrepro.strategies.parameter_server coordinator CONFIG
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from distrepro.devices import host_gpus, parameter_server_devices
+from distrepro.processes import Restarts, free_ports, process_env, start, stop
+
+MODULE = "distrepro.strategies.parameter_server"
+
+
+def supervise(
+    coordinator: subprocess.Popen, tasks: dict, restart, restarts: Restarts
+) -> str | None:
+    """Wait for the coordinator; return why it failed, or None. A dead worker
+    task is started again on its address (TF's coordinator reruns its lost
+    steps); a dead ps task ends the attempt, as TF cannot recover from it."""
+    while coordinator.poll() is None:
+        for name, proc in list(tasks.items()):
+            if proc.poll() is None:
+                continue
+            cause = f"task {name} (pid {proc.pid}) exited with {proc.returncode}"
+            if not name.startswith("worker"):
+                return cause
+            restarts.record(cause)
+            tasks[name] = restart(name)
+        time.sleep(0.2)
+    code = coordinator.returncode
+    return f"the coordinator exited with {code}" if code else None
+
+
+def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
+    """Run the cluster once; return why it failed, or None."""
+    n, m = cfg.strategy.num_workers, cfg.strategy.num_ps
+    ports = free_ports(n + m)
+    cluster = {
+        "worker": [f"127.0.0.1:{p}" for p in ports[:n]],
+        "ps": [f"127.0.0.1:{p}" for p in ports[n:]],
+    }
+    devices = parameter_server_devices(n, m, cfg.strategy.gpus_per_worker, host_gpus())
+    env = {
+        **process_env(cfg),
+        "DISTREPRO_CLUSTER": json.dumps(cluster),
+        "DISTREPRO_DEVICES": json.dumps(devices),
+    }
+    threads = str(max(1, (os.cpu_count() or 1) // (n + m + 1)))
+
+    def start_task(name: str) -> subprocess.Popen:
+        job, index = name.split(":")
+        server = [sys.executable, "-m", MODULE, "task", job, index, threads]
+        return start(server, {**env, **devices.get(name, {})})
+
+    names = [f"worker:{i}" for i in range(n)] + [f"ps:{i}" for i in range(m)]
+    tasks: dict[str, subprocess.Popen] = {}
+    coordinator = None
+    try:
+        for name in names:
+            tasks[name] = start_task(name)
+        coordinator = start(
+            [sys.executable, "-m", MODULE, "coordinator", str(config_path)],
+            {**env, **devices.get("coordinator", {})},
+        )
+        return supervise(coordinator, tasks, start_task, restarts)
+    finally:
+        stop([*tasks.values(), *([coordinator] if coordinator else [])])
+
+
+def task_main(job: str, index: int, threads: int) -> None:
+    """A ps or worker task: serves until the launcher stops it."""
+    import tensorflow as tf
+
+    cluster = tf.train.ClusterSpec(json.loads(os.environ["DISTREPRO_CLUSTER"]))
+    for gpu in tf.config.list_physical_devices("GPU"):  # those CUDA_VISIBLE_DEVICES gives
+        tf.config.experimental.set_memory_growth(gpu, True)
+    # One inter-op thread more than the share, as in training.core.set_threads.
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads + 1
+    )
+    server = tf.distribute.Server(
+        cluster, job_name=job, task_index=index, protocol="grpc", config=config, start=True
+    )
+    server.join()
+
+
+def cluster_resolver():
+    import tensorflow as tf
+
+    if "TF_CONFIG" in os.environ:
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = tf.train.ClusterSpec(json.loads(os.environ["DISTREPRO_CLUSTER"]))
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
+
+
+def task_devices() -> str:
+    """The GPUs the launcher gave each task, as CUDA_VISIBLE_DEVICES."""
+    assigned = json.loads(os.environ.get("DISTREPRO_DEVICES") or "{}")
+    if not assigned:
+        return (
+            "cpu (no GPU on this host)"
+            if "TF_CONFIG" not in os.environ
+            else "set by TF_CONFIG hosts"
+        )
+    return "; ".join(
+        f"{task}: GPU {env['CUDA_VISIBLE_DEVICES']}"
+        if env["CUDA_VISIBLE_DEVICES"]
+        else f"{task}: cpu"
+        for task, env in assigned.items()
+    )
+
+
+def coordinator_main(config_path: str) -> None:
+    """The coordinator: builds the model on the ps tasks, schedules steps on the workers."""
+    import tensorflow as tf
+
+    from distrepro import tracking
+    from distrepro.training import core
+    from distrepro.training.inputs import make_dataset, read_metadata
+    from distrepro.training.models import build_model
+
+    cfg = OmegaConf.load(config_path)
+    run_dir = Path(config_path).parent
+    threads = core.set_threads(cfg.strategy.num_workers + cfg.strategy.num_ps + 1)
+    core.set_precision(cfg.precision.name)
+    tf.random.set_seed(cfg.seed)
+    metadata = read_metadata(cfg.data.tfrecord_dir)
+    per_worker = cfg.train.global_batch_size // cfg.strategy.num_workers
+    steps_per_call = cfg.strategy.steps_per_call
+    updates = core.epoch_plan(cfg, metadata["splits"]["train"]["images"], per_worker)
+    updates = max(steps_per_call, updates // steps_per_call * steps_per_call)
+
+    strategy = tf.distribute.experimental.ParameterServerStrategy(cluster_resolver())
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
+        # Asynchronous: each worker's update is one batch of per_worker images.
+        peak = core.peak_learning_rate(cfg.train, per_worker)
+        optimizer = core.make_optimizer(cfg, peak, updates)
+        trainer = core.Trainer(cfg, model, optimizer, metadata["num_classes"])
+    files = core.RunFiles(run_dir, model, optimizer, is_chief=True)
+
+    def dataset_fn(context: tf.distribute.InputContext):
+        return make_dataset(
+            cfg.data,
+            "train",
+            per_worker,
+            context.input_pipeline_id,
+            context.num_input_pipelines,
+            cfg.seed,
+        )
+
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    train_batches = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+    val_batches = make_dataset(cfg.data, "validation", per_worker)
+
+    @tf.function
+    def train_steps(iterator):
+        for _ in tf.range(steps_per_call):
+            strategy.run(trainer.step, args=next(iterator))
+
+    def run_updates(count: int) -> None:
+        for _ in range(-(-count // steps_per_call)):
+            coordinator.schedule(train_steps, args=(train_batches,))
+        coordinator.join()
+
+    extra = {
+        "threads_per_process": threads,
+        "steps_per_call": steps_per_call,
+        "devices": task_devices(),
+        "peak_learning_rate": peak,
+    }
+    run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
+    warmup = -(-cfg.train.warmup_steps_excluded // steps_per_call) * steps_per_call
+    history = core.train_loop(
+        cfg,
+        trainer,
+        files,
+        run_updates,
+        lambda: trainer.count_correct(val_batches),
+        per_worker,
+        updates,
+        min(warmup, updates - steps_per_call),
+    )
+    core.finish(cfg, files, history, run_id)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "task":
+        task_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        coordinator_main(sys.argv[2])
