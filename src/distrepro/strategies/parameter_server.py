@@ -111,20 +111,14 @@ def cluster_resolver():
 
 
 def task_devices() -> str:
-    """The GPUs the launcher gave each task, as CUDA_VISIBLE_DEVICES."""
+    """The GPUs the launcher gave each task (CUDA_VISIBLE_DEVICES), for the record."""
+    if "TF_CONFIG" in os.environ:
+        return "as each host started its tasks (TF_CONFIG)"
     assigned = json.loads(os.environ.get("DISTREPRO_DEVICES") or "{}")
     if not assigned:
-        return (
-            "cpu (no GPU on this host)"
-            if "TF_CONFIG" not in os.environ
-            else "set by TF_CONFIG hosts"
-        )
-    return "; ".join(
-        f"{task}: GPU {env['CUDA_VISIBLE_DEVICES']}"
-        if env["CUDA_VISIBLE_DEVICES"]
-        else f"{task}: cpu"
-        for task, env in assigned.items()
-    )
+        return "cpu (no GPU on this host)"
+    gpus = {task: env["CUDA_VISIBLE_DEVICES"] for task, env in assigned.items()}
+    return "; ".join(f"{task}: GPU {ids}" if ids else f"{task}: cpu" for task, ids in gpus.items())
 
 
 def coordinator_main(config_path: str) -> None:

@@ -1,0 +1,82 @@
+"""What one lost worker costs each strategy, all in one invocation.
+
+For each strategy the same digits run twice: clean, and with one worker
+(a parameter-server worker task, or a Horovod rank) killed with SIGKILL
+halfway through the second epoch. The parameter server restarts the task
+and goes on; Horovod (not elastic) restarts the job from its last checkpoint.
+Reports the wall time lost and both final top-1s.
+
+    python benchmarks/fault_benchmark.py [--epochs 4]
+
+Needs data/tfrecords/digits (`dvc repro`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def is_victim(strategy: str, cmdline: list[str]) -> bool:
+    """Parameter-server worker task 1, or a Horovod rank."""
+    module = cmdline[2] if cmdline[1:2] == ["-m"] else ""
+    if strategy == "parameter_server":
+        return module.endswith("parameter_server") and cmdline[3:6] == ["task", "worker", "1"]
+    return module.endswith("strategies.horovod")
+
+
+def victim(strategy: str) -> psutil.Process:
+    processes = psutil.process_iter(["cmdline"])
+    found = [p for p in processes if is_victim(strategy, p.info["cmdline"] or [])]
+    return max(found, key=lambda p: p.pid)  # the newest: the last rank started
+
+
+def run(strategy: str, epochs: int, out: Path, kill: bool) -> dict:
+    overrides = [f"strategy={strategy}", f"train.epochs={epochs}", f"results_dir={out}"]
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "distrepro.launch", *overrides], cwd=REPO)
+    if kill:
+        while not list(out.glob("*/checkpoints/ckpt-1.index")):
+            time.sleep(0.1)
+        (history,) = out.glob("*/history.json")
+        epoch_time = json.loads(history.read_text())[0]["epoch_time_s"]
+        time.sleep(epoch_time / 2)  # halfway through epoch 2 (epoch 1 includes tracing)
+        victim(strategy).kill()
+    if proc.wait() != 0:
+        raise SystemExit(f"the {strategy} run (kill={kill}) failed")
+    (metrics,) = out.glob("*/metrics.json")
+    return {"wall_s": time.monotonic() - start, "top1": json.loads(metrics.read_text())["top1"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    args = parser.parse_args()
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
+        for strategy in ("parameter_server", "horovod"):
+            clean = run(strategy, args.epochs, Path(tmp) / f"{strategy}-clean", kill=False)
+            killed = run(strategy, args.epochs, Path(tmp) / f"{strategy}-killed", kill=True)
+            result[strategy] = {
+                "clean_wall_s": round(clean["wall_s"], 1),
+                "killed_wall_s": round(killed["wall_s"], 1),
+                "wall_s_lost": round(killed["wall_s"] - clean["wall_s"], 1),
+                "clean_top1": round(clean["top1"], 4),
+                "killed_top1": round(killed["top1"], 4),
+            }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
