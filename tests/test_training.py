@@ -328,6 +328,7 @@ def test_a_truncated_shard_is_named_and_the_run_goes_on_once_it_is_restored(
     assert failed.returncode != 0
     assert f"{shard}: truncated or corrupt record at byte" in failed.stderr + failed.stdout
     assert "dvc pull" in failed.stderr + failed.stdout
+    assert "restart 1" not in failed.stdout  # damaged data: restarting cannot help
     assert not training_processes()
 
     shard.write_bytes(good)

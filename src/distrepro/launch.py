@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distrepro.config import run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus
-from distrepro.processes import Restarts, TrainingFailed
+from distrepro.processes import DAMAGED_DATA, Restarts, TrainingFailed
 from distrepro.strategies import horovod, parameter_server
 
 
@@ -119,7 +119,11 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     config_path = run_dir / "config.yaml"
     run = horovod.run if cfg.strategy.name.value == "horovod" else parameter_server.run
     restarts = Restarts(cfg.train.max_restarts, run_dir)
+    damaged = run_dir / DAMAGED_DATA
+    damaged.unlink(missing_ok=True)
     while (cause := run(cfg, config_path, restarts)) is not None:
+        if damaged.exists():
+            raise TrainingFailed(f"{cause}: {damaged.read_text()}")
         # Every process is stopped; started again, the run resumes from its checkpoint.
         restarts.record(cause)
     return run_dir

@@ -18,6 +18,9 @@ from omegaconf import DictConfig
 from distrepro.atomic import write_json_atomically
 from distrepro.devices import host_gpus
 
+# Written by a training process whose data is damaged: restarting cannot help.
+DAMAGED_DATA = "damaged_data.txt"
+
 
 class TrainingFailed(RuntimeError):
     """The run failed more often than train.max_restarts allows."""

@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from distrepro.atomic import write_json_atomically
+from distrepro.processes import DAMAGED_DATA
 
 POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
 STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
@@ -228,7 +229,9 @@ def train_loop(
             end = tf.timestamp()
             top1, top5, images = count_correct().numpy()
         except tf.errors.DataLossError:
-            raise SystemExit(damage_report(cfg.data.tfrecord_dir)) from None
+            report = damage_report(cfg.data.tfrecord_dir)
+            (files.run_dir / DAMAGED_DATA).write_text(report)
+            raise SystemExit(report) from None
         record = {
             "epoch": epoch + 1,
             "train_loss": float(trainer.train_loss.result()),
