@@ -296,7 +296,9 @@ def test_shards_made_elsewhere_are_indexed_without_rewriting_them(tmp_path):
     validate(index_config(out))
 
 
-@pytest.mark.parametrize("damage", ["label", "truncated", "missing_shard", "no_validation"])
+@pytest.mark.parametrize(
+    "damage", ["label", "truncated", "missing_shard", "no_validation", "not_imagenet"]
+)
 def test_indexing_refuses_bad_shards_naming_them(tmp_path, damage):
     out = tmp_path / "tfrecords"
     write_plain_shards(out, "train", [[1, 2], [3, 4 if damage == "label" else 1]])
@@ -307,6 +309,9 @@ def test_indexing_refuses_bad_shards_naming_them(tmp_path, damage):
         shard.write_bytes(shard.read_bytes()[:-30])
     if damage == "missing_shard":
         shard.unlink()
+    if damage == "not_imagenet":
+        with tf.io.TFRecordWriter(str(shard)) as writer:
+            writer.write(tf.train.Example().SerializeToString())
     expected = {"no_validation": "no validation-", "missing_shard": "train-00001-of-00002"}
     with pytest.raises(ValueError, match=expected.get(damage, str(shard))):
         prepare(index_config(out))

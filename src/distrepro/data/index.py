@@ -56,12 +56,11 @@ def scan_shard(path: str) -> tuple[str, int, Counter, dict[int, str]]:
     for number, record in enumerate(read_records(path)):
         try:
             features = parse_example(record, {LABEL, SYNSET, ENCODED})
-            (label,) = features[LABEL]
-            features[ENCODED]
-        except (KeyError, ValueError) as error:
-            raise ShardError(
-                f"{path}: record {number} is not an ImageNet-schema example ({error!r})"
-            ) from None
+        except ValueError as error:
+            raise ShardError(f"{path}: record {number} is not an Example ({error})") from None
+        if ENCODED not in features or len(features.get(LABEL, [])) != 1:
+            raise ShardError(f"{path}: record {number} lacks {ENCODED} or a single {LABEL}")
+        (label,) = features[LABEL]
         labels[label] += 1
         if features.get(SYNSET):
             synsets[label] = features[SYNSET][0].decode()
