@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import psutil
 import pytest
 from conftest import REPO, peak_learning_rates, training_processes
 from omegaconf import OmegaConf
@@ -269,9 +270,12 @@ def test_parameter_server_tasks_get_their_own_gpus(digits_tfrecords, tmp_path, m
         deadline = time.monotonic() + 300
         while len(seen) < 4 and time.monotonic() < deadline and proc.poll() is None:
             for task in training_processes():
-                cmdline = task.cmdline()
+                try:
+                    cmdline, environ = task.cmdline(), task.environ()
+                except psutil.Error:
+                    continue  # exited meanwhile
                 name = "coordinator" if "coordinator" in cmdline else ":".join(cmdline[-3:-1])
-                seen[name] = task.environ().get("CUDA_VISIBLE_DEVICES")
+                seen[name] = environ.get("CUDA_VISIBLE_DEVICES")
             time.sleep(0.2)
         assert proc.wait(300) == 0
     finally:
