@@ -92,9 +92,8 @@ def feature_values(feature: memoryview) -> list[bytes | int]:
         for _, value in fields(payload):
             if kind == 1:  # bytes_list
                 values.append(bytes(value))
-            elif kind == 3:  # int64_list, packed or not
-                packed = value if isinstance(value, memoryview) else None
-                values.extend(varints(packed) if packed is not None else [value])
+            elif kind == 3:  # int64_list: packed (bytes) or one varint a field
+                values.extend(varints(value) if isinstance(value, memoryview) else [value])
     return [v - (1 << 64) if isinstance(v, int) and v >= 1 << 63 else v for v in values]
 
 
