@@ -4,8 +4,9 @@ For each strategy the same digits run twice: clean, and with one worker
 (a parameter-server worker task, or a Horovod rank) killed with SIGKILL
 halfway through the third epoch (timed by the second, which has no tracing).
 The parameter server restarts the task and goes on; Horovod (not elastic)
-restarts the job from its last checkpoint. Reports the wall time lost and
-both final top-1s.
+restarts the job from its last checkpoint; elastic Horovod goes on with the
+rank left and takes the other back after its cool-down. Reports the wall time
+lost and both final top-1s.
 
     python benchmarks/fault_benchmark.py [--epochs 5]
 
@@ -26,6 +27,11 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+SETTINGS = {
+    "parameter_server": ["strategy=parameter_server"],
+    "horovod": ["strategy=horovod"],
+    "horovod_elastic": ["strategy=horovod", "strategy.elastic=true"],
+}
 
 
 def is_victim(strategy: str, cmdline: list[str]) -> bool:
@@ -42,8 +48,8 @@ def victim(strategy: str) -> psutil.Process:
     return max(found, key=lambda p: p.pid)  # the newest: the last rank started
 
 
-def run(strategy: str, epochs: int, out: Path, kill: bool) -> dict:
-    overrides = [f"strategy={strategy}", f"train.epochs={epochs}", f"results_dir={out}"]
+def run(setting: str, epochs: int, out: Path, kill: bool) -> dict:
+    overrides = [*SETTINGS[setting], f"train.epochs={epochs}", f"results_dir={out}"]
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "distrepro.launch", *overrides], cwd=REPO)
     if kill:
@@ -51,9 +57,9 @@ def run(strategy: str, epochs: int, out: Path, kill: bool) -> dict:
             time.sleep(0.05)
         (history,) = out.glob("*/history.json")
         time.sleep(json.loads(history.read_text())[1]["epoch_time_s"] / 2)
-        victim(strategy).kill()
+        victim(setting.removesuffix("_elastic")).kill()
     if proc.wait() != 0:
-        raise SystemExit(f"the {strategy} run (kill={kill}) failed")
+        raise SystemExit(f"the {setting} run (kill={kill}) failed")
     (metrics,) = out.glob("*/metrics.json")
     return {"wall_s": time.monotonic() - start, "top1": json.loads(metrics.read_text())["top1"]}
 
@@ -65,10 +71,10 @@ def main() -> None:
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
-        for strategy in ("parameter_server", "horovod"):
-            clean = run(strategy, args.epochs, Path(tmp) / f"{strategy}-clean", kill=False)
-            killed = run(strategy, args.epochs, Path(tmp) / f"{strategy}-killed", kill=True)
-            result[strategy] = {
+        for setting in SETTINGS:
+            clean = run(setting, args.epochs, Path(tmp) / f"{setting}-clean", kill=False)
+            killed = run(setting, args.epochs, Path(tmp) / f"{setting}-killed", kill=True)
+            result[setting] = {
                 "clean_wall_s": round(clean["wall_s"], 1),
                 "killed_wall_s": round(killed["wall_s"], 1),
                 "wall_s_lost": round(killed["wall_s"] - clean["wall_s"], 1),

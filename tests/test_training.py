@@ -91,6 +91,10 @@ def test_horovod_two_ranks_average_like_one_process_with_twice_the_batch(
         (["train.epochs=0"], "train.epochs=0"),
         (["data.tfrecord_dir=/nonexistent/tfrecords"], "data.tfrecord_dir='/nonexistent"),
         (["strategy=parameter_server", "strategy.num_ps=0"], "strategy.num_ps=0"),
+        (["strategy.elastic=true", "strategy.min_workers=3"], "strategy.min_workers=3"),
+        (["strategy.elastic=true", "strategy.controller=mpi"], "controller=mpi"),
+        (["strategy.elastic=true", "strategy.commit_every=0"], "strategy.commit_every=0"),
+        (["strategy=parameter_server", "strategy.elastic=true"], "strategy=horovod"),
     ],
 )
 def test_bad_configs_are_refused_before_any_process(digits_tfrecords, overrides, message):
@@ -343,8 +347,7 @@ def test_a_truncated_shard_is_named_and_the_run_goes_on_once_it_is_restored(
 
 def kill_after_first_checkpoint(args: list[str], results: Path, task: str):
     """Run the launcher; once epoch 1 is checkpointed, kill -9 one process of
-    `task` ("worker 1", "ps 0": parameter-server tasks; "rank": a Horovod rank);
-    return the launcher's exit code and output."""
+    `task` (see is_task); return the launcher's exit code and output."""
     proc = subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -352,17 +355,22 @@ def kill_after_first_checkpoint(args: list[str], results: Path, task: str):
         deadline = time.monotonic() + 300
         while not list(results.glob("*/checkpoints/ckpt-1.index")) and time.monotonic() < deadline:
             time.sleep(0.2)
-        victims = [
-            p
-            for p in training_processes()
-            if " ".join(p.cmdline()[-3:-1]) == task
-            or (task == "rank" and "distrepro.strategies.horovod" in p.cmdline()[1:3])
-        ]
+        victims = [p for p in training_processes() if is_task(p, task)]
         victims[0].kill()
         output, _ = proc.communicate(timeout=600)
     finally:
         proc.kill()
     return proc.returncode, output
+
+
+def is_task(proc: psutil.Process, task: str) -> bool:
+    """ "worker 1", "ps 0": parameter-server tasks; "rank": a Horovod rank;
+    "rank on HOST": a Horovod rank that horovodrun started on HOST."""
+    if " ".join(proc.cmdline()[-3:-1]) == task:
+        return True
+    if not task.startswith("rank") or "distrepro.strategies.horovod" not in proc.cmdline()[1:3]:
+        return False
+    return task == "rank" or task == f"rank on {proc.environ().get('HOROVOD_HOSTNAME')}"
 
 
 @pytest.mark.parametrize(
@@ -389,6 +397,33 @@ def test_a_run_survives_a_killed_process(
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.data.metrics["restarts"] >= 1
     assert "exited with" in run.data.tags["restart.1"]
+    assert not training_processes()
+
+
+def test_elastic_horovod_goes_on_without_a_killed_rank_and_takes_it_back(
+    digits_tfrecords, tmp_path, mlflow_uri
+):
+    results = tmp_path / "runs"
+    args = launch_args(
+        digits_tfrecords,
+        results,
+        "strategy.elastic=true",
+        "train.epochs=14",
+        "train.max_restarts=0",
+    )
+    code, output = kill_after_first_checkpoint(args, results, "rank on 127.0.0.1")
+    assert code == 0, output[-3000:]
+    (metrics,) = [json.loads(p.read_text()) for p in results.glob("*/metrics.json")]
+    ranks = [h["ranks"] for h in metrics["history"]]
+    assert [h["epoch"] for h in metrics["history"]] == list(range(1, 15))
+    assert ranks[0] == 2 and 1 in ranks and ranks[-1] == 2, ranks  # left out, then back
+    assert metrics["top1"] > 0.5, metrics["history"]  # chance is 0.1
+    client = mlflow.MlflowClient(mlflow_uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    history = client.get_metric_history(run.info.run_id, "val_top1")
+    assert sorted(m.step for m in history) == list(range(1, 15))
+    assert "restarts" not in run.data.metrics  # the ranks went on; nothing was restarted
     assert not training_processes()
 
 

@@ -74,6 +74,9 @@ class StrategyConfig:
     fp16_allreduce: bool = False
     steps_per_call: int = 10
     gpus_per_worker: int = 0
+    elastic: bool = False  # Horovod: go on with the ranks left when one fails
+    min_workers: int = 1  # elastic: fewer ranks than this end the run
+    commit_every: int = 10  # elastic: updates between commits of the state
 
 
 @dataclass

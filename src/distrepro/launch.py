@@ -40,6 +40,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if strategy.name.value == "parameter_server" and strategy.num_ps < 1:
         raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
+    if strategy.elastic:
+        validate_elastic(strategy)
     validate_devices(strategy)
     scale = cfg.precision.loss_scale
     if scale != "dynamic" and not (is_number(scale) and float(scale) > 0):
@@ -57,6 +59,22 @@ def validate(cfg: DictConfig) -> None:
             f"data.tfrecord_dir={str(tfrecord_dir)!r} holds no finished TFRecords "
             f"(metadata.json is missing): run `python -m distrepro.prepare {where}`"
         )
+
+
+def validate_elastic(strategy: DictConfig) -> None:
+    if strategy.name.value != "horovod":
+        raise ConfigError("strategy.elastic=true is for strategy=horovod")
+    if strategy.controller != "gloo":
+        raise ConfigError(
+            f"strategy.elastic=true runs over Gloo, not strategy.controller={strategy.controller}"
+        )
+    if not 1 <= strategy.min_workers <= strategy.num_workers:
+        raise ConfigError(
+            f"strategy.min_workers={strategy.min_workers} must be between 1 and "
+            f"strategy.num_workers={strategy.num_workers}"
+        )
+    if strategy.commit_every < 1:
+        raise ConfigError(f"strategy.commit_every={strategy.commit_every} must be at least 1")
 
 
 def validate_devices(strategy: DictConfig) -> None:
@@ -94,7 +112,8 @@ def describe(cfg: DictConfig) -> str:
     """What launching cfg starts, in one line (shown by `snakemake -n`)."""
     strategy, train = cfg.strategy, cfg.train
     if strategy.name.value == "horovod":
-        options = horovod.command(cfg, Path("config.yaml"))[1:6]
+        horovodrun = horovod.command(cfg, Path("config.yaml"))
+        options = horovodrun[1 : horovodrun.index(sys.executable)]
         processes = shlex.join(["horovodrun", *options, "python", "-m", horovod.MODULE])
     else:
         processes = f"{strategy.num_ps} ps + {strategy.num_workers} workers + 1 coordinator"

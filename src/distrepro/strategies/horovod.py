@@ -1,33 +1,87 @@
 """Horovod: `horovodrun` starts one rank per worker; each rank averages its
 gradients with the others' (allreduce over Gloo, MPI or NCCL).
 
+With strategy.elastic, horovodrun runs the ranks that its host discovery
+script lists (at least strategy.min_workers): when a rank fails, its host is
+left out for a cool-down, the others restore their last commit and go on,
+and the host's ranks rejoin after it.
+
 The launcher side (`run`) imports no TensorFlow; the ranks run
 `python -m distrepro.strategies.horovod CONFIG`."""
 
 from __future__ import annotations
 
+import math
+import os
 import socket
 import sys
+import time
 from pathlib import Path
 
+from horovod.common.elastic import ObjectState
 from omegaconf import DictConfig, OmegaConf
 
 from distrepro.processes import Restarts, process_env, start, stop
 
 MODULE = "distrepro.strategies.horovod"
+DISCOVERY_SCRIPT = "discover_hosts.sh"
+ELASTIC_HOSTS = "elastic_hosts"  # what the discovery script lists; edit it to add or drop hosts
+COOLDOWN_S = (5, 60)  # a failed host is left out this long, doubling with each failure
+# Horovod's elastic mode leaves out the whole host of a failed rank. On one
+# machine two names for it (each local) make two "hosts", so that one failed
+# rank does not take every rank with it.
+LOCAL_NAMES = ("localhost", "127.0.0.1")
+
+
+def local_hosts(num_workers: int) -> list[tuple[str, int]]:
+    """(host, slots) of an elastic run on this machine alone."""
+    first = math.ceil(num_workers / 2)
+    return [(LOCAL_NAMES[0], first)] + (
+        [(LOCAL_NAMES[1], num_workers - first)] * (first < num_workers)
+    )
+
+
+def elastic_hosts(cfg: DictConfig) -> list[tuple[str, int]]:
+    if not cfg.strategy.hosts:
+        return local_hosts(cfg.strategy.num_workers)
+    return [
+        (host, int(slots)) for host, slots in (h.split(":") for h in cfg.strategy.hosts.split(","))
+    ]
+
+
+def write_discovery_script(cfg: DictConfig, run_dir: Path) -> Path:
+    """run_dir/discover_hosts.sh prints run_dir/elastic_hosts, written from the
+    config when missing."""
+    hosts = run_dir / ELASTIC_HOSTS
+    if not hosts.exists():
+        hosts.write_text("".join(f"{host}:{slots}\n" for host, slots in elastic_hosts(cfg)))
+    script = run_dir / DISCOVERY_SCRIPT
+    script.write_text(f"#!/bin/sh\nexec cat '{hosts.resolve()}'\n")
+    script.chmod(0o755)
+    return script
 
 
 def command(cfg: DictConfig, config_path: Path) -> list[str]:
     n = cfg.strategy.num_workers
     controller = "--mpi" if cfg.strategy.controller == "mpi" else "--gloo"
-    hosts = cfg.strategy.hosts or f"localhost:{n}"
     program = [sys.executable, "-m", MODULE, str(config_path)]
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    return [str(horovodrun), "-np", str(n), "-H", hosts, controller, *program]
+    horovodrun = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(n)]
+    if not cfg.strategy.elastic:
+        return [*horovodrun, "-H", cfg.strategy.hosts or f"localhost:{n}", controller, *program]
+    elastic = [
+        *("--min-np", str(cfg.strategy.min_workers), "--max-np", str(n)),
+        *("--host-discovery-script", str(config_path.parent / DISCOVERY_SCRIPT)),
+        *("--blacklist-cooldown-range", *map(str, COOLDOWN_S)),
+    ]
+    if not cfg.strategy.hosts:
+        elastic += ["--network-interface", "lo"]
+    return [*horovodrun, *elastic, controller, *program]
 
 
 def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
     """Run the job once; return why it failed, or None."""
+    if cfg.strategy.elastic:
+        write_discovery_script(cfg, config_path.parent)
     proc = start(command(cfg, config_path), process_env(cfg))
     try:
         code = proc.wait()
@@ -36,9 +90,55 @@ def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
     return f"horovodrun exited with {code}" if code else None
 
 
+class ElasticState(ObjectState):
+    """What a restoring or joining rank needs: the model's and optimizer's
+    variables (kept in host memory at each commit, broadcast from rank 0 at
+    each sync) and plain values such as the history. Horovod's own
+    TensorFlowKerasState calls optimizer.variables(), a property in tf_keras."""
+
+    def __init__(self, variables: list, **values):
+        import horovod.tensorflow as hvd
+
+        self.variables = variables
+        self._save_variables()
+        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank, **values)
+
+    def _save_variables(self) -> None:
+        self._saved_variables = [variable.numpy() for variable in self.variables]
+
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        for variable, value in zip(self.variables, self._saved_variables, strict=True):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        import horovod.tensorflow as hvd
+
+        hvd.broadcast_variables(self.variables, root_rank=0)
+        self._save_variables()
+        super().sync()
+
+
+def gpu_index(cfg: DictConfig, local_rank: int) -> int:
+    """This rank's GPU on its host; the two names of a local elastic run share one."""
+    if not cfg.strategy.elastic or cfg.strategy.hosts:
+        return local_rank
+    offset = 0
+    for host, slots in local_hosts(cfg.strategy.num_workers):
+        if host == os.environ.get("HOROVOD_HOSTNAME"):
+            break
+        offset += slots
+    return offset + local_rank
+
+
 def rank_main(config_path: str) -> None:
-    """One rank: init, pin a GPU, wrap the tape, broadcast, train; rank 0 logs."""
+    """One rank: init, pin a GPU, wrap the tape, train; the chief (rank 0) logs."""
     import horovod.tensorflow as hvd
+    import mlflow
     import tensorflow as tf
 
     from distrepro import tracking
@@ -49,25 +149,21 @@ def rank_main(config_path: str) -> None:
     cfg = OmegaConf.load(config_path)
     run_dir = Path(config_path).parent
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    threads = core.set_threads(hvd.local_size())
-    device = core.use_gpu(hvd.local_rank() if cfg.strategy.gpus_per_worker else None)
-    devices = hvd.allgather_object(f"rank {rank} on {socket.gethostname()}: {device}")
+    # Without strategy.hosts every rank is on this machine (elastic: under two names).
+    threads = core.set_threads(hvd.local_size() if cfg.strategy.hosts else cfg.strategy.num_workers)
+    gpu = gpu_index(cfg, hvd.local_rank()) if cfg.strategy.gpus_per_worker else None
+    device = f"rank {hvd.rank()} on {socket.gethostname()}: {core.use_gpu(gpu)}"
     core.set_precision(cfg.precision.name)
     tf.random.set_seed(cfg.seed)
     metadata = read_metadata(cfg.data.tfrecord_dir)
-    per_rank = cfg.train.global_batch_size // size
-    updates = core.epoch_plan(
-        cfg, metadata["splits"]["train"]["images"], cfg.train.global_batch_size
-    )
+    global_batch = cfg.train.global_batch_size
+    updates = core.epoch_plan(cfg, metadata["splits"]["train"]["images"], global_batch)
 
     model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
-    peak = core.peak_learning_rate(cfg.train, cfg.train.global_batch_size)
+    peak = core.peak_learning_rate(cfg.train, global_batch)
     optimizer = core.make_optimizer(cfg, peak, updates)
     trainer = core.Trainer(cfg, model, optimizer, metadata["num_classes"])
-    files = core.RunFiles(run_dir, model, optimizer, is_chief=rank == 0)
-    train_batches = iter(make_dataset(cfg.data, "train", per_rank, rank, size, cfg.seed))
-    val_batches = make_dataset(cfg.data, "validation", per_rank, rank, size)
+    files = core.RunFiles(run_dir, model, optimizer, is_chief=hvd.rank() == 0)
     compression = hvd.Compression.fp16 if cfg.strategy.fp16_allreduce else hvd.Compression.none
 
     @tf.function
@@ -76,36 +172,118 @@ def rank_main(config_path: str) -> None:
             images, labels, lambda tape: hvd.DistributedGradientTape(tape, compression=compression)
         )
 
-    def run_updates(count: int) -> None:
-        for _ in range(count):
-            train_step(*next(train_batches))
+    def datasets(rank: int, size: int):
+        """This rank's train batches and validation set. An elastic run keeps the
+        global batch (and so the learning rate); with ranks that do not divide
+        it, the remainder of each batch is left out."""
+        per_rank = global_batch // size
+        train = make_dataset(cfg.data, "train", per_rank, rank, size, cfg.seed)
+        return iter(train), make_dataset(cfg.data, "validation", per_rank, rank, size)
 
-    def count_correct():
+    def count_correct(val_batches):
         return hvd.allreduce(trainer.count_correct(val_batches), op=hvd.Sum)
 
-    run_id = None
-    if rank == 0:
-        extra = {
-            "threads_per_process": threads,
-            "ranks": size,
-            "devices": "; ".join(devices),
-            "peak_learning_rate": peak,
-        }
-        run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
-    hvd.broadcast_variables(model.variables, root_rank=0)
+    def track(devices: list[str]) -> None:
+        """Start (or, on a new chief, resume) the MLflow run on rank 0."""
+        if hvd.rank() == 0 and mlflow.active_run() is None:
+            extra = {
+                "threads_per_process": threads,
+                "ranks": hvd.size(),
+                "devices": "; ".join(devices),
+                "peak_learning_rate": peak,
+            }
+            tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
+
     warmup = min(cfg.train.warmup_steps_excluded, updates - 1)
-    history = core.train_loop(
-        cfg,
-        trainer,
-        files,
-        run_updates,
-        count_correct,
-        cfg.train.global_batch_size,
-        updates,
-        warmup,
+    if cfg.strategy.elastic:
+        history = train_elastic(
+            cfg,
+            trainer,
+            files,
+            train_step,
+            datasets,
+            count_correct,
+            updates,
+            warmup,
+            lambda: track([device]),
+        )
+    else:
+        track(hvd.allgather_object(device))
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        train_batches, val_batches = datasets(hvd.rank(), hvd.size())
+
+        def run_updates(count: int) -> None:
+            for _ in range(count):
+                train_step(*next(train_batches))
+
+        history = core.train_loop(
+            cfg,
+            trainer,
+            files,
+            run_updates,
+            lambda: count_correct(val_batches),
+            global_batch,
+            updates,
+            warmup,
+        )
+    if hvd.rank() == 0:
+        core.finish(cfg, files, history, mlflow.active_run().info.run_id)
+
+
+def train_elastic(
+    cfg, trainer, files, train_step, datasets, count_correct, updates, warmup, track
+) -> list[dict]:
+    """Epochs from the last checkpoint on, as ranks come and go: the state is
+    committed every strategy.commit_every updates and at each epoch's end; a
+    failed collective restores the last commit on the ranks that are left, a
+    host that rejoins interrupts the next commit, and after either the ranks
+    re-shard the data for their new number and go on where the commit was."""
+    import horovod.tensorflow as hvd
+
+    from distrepro.training import core
+
+    optimizer_variables = trainer.optimizer.variables
+    trainer.optimizer.build(trainer.model.trainable_variables)
+    variables = trainer.model.variables + list(
+        optimizer_variables() if callable(optimizer_variables) else optimizer_variables
     )
-    if rank == 0:
-        core.finish(cfg, files, history, run_id)
+    state = ElasticState(
+        variables, history=files.restore(), batch=0, started=0.0, timed_from=0.0, timed_images=0
+    )
+
+    @hvd.elastic.run
+    def train(state: ElasticState) -> list[dict]:
+        files.is_chief = hvd.rank() == 0
+        track()
+        train_batches, val_batches = datasets(hvd.rank(), hvd.size())
+        batch_images = cfg.train.global_batch_size // hvd.size() * hvd.size()
+        while len(state.history) < cfg.train.epochs:
+            if state.batch == 0:
+                trainer.reset_metrics()
+                state.started = state.timed_from = time.time()
+                state.timed_images = 0
+            while state.batch < updates:
+                train_step(*next(train_batches))
+                state.batch += 1
+                if state.batch == warmup:
+                    state.timed_from = time.time()
+                elif state.batch > warmup:
+                    state.timed_images += batch_images
+                if state.batch % cfg.strategy.commit_every == 0:
+                    state.commit()
+            end = time.time()
+            correct = count_correct(val_batches).numpy()
+            images_per_sec = state.timed_images / (end - state.timed_from)
+            epoch = len(state.history) + 1
+            record = core.epoch_record(epoch, trainer, correct, images_per_sec, end - state.started)
+            state.history = [*state.history, record | {"ranks": hvd.size()}]
+            state.batch = 0
+            core.end_epoch(cfg, files, state.history)
+            state.commit()
+        return state.history
+
+    with core.naming_damaged_data(cfg, files.run_dir):
+        return train(state)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import tensorflow as tf
@@ -216,44 +217,64 @@ def train_loop(
     """Epochs from the last checkpoint on; the chief logs to MLflow and prints.
 
     The first `warmup` updates of each epoch are left out of images/s."""
-    import mlflow
-
     history = files.restore()
     for epoch in range(len(history), cfg.train.epochs):
         trainer.reset_metrics()
-        try:
+        with naming_damaged_data(cfg, files.run_dir):
             start = tf.timestamp()
             run_updates(warmup)
             timed_start = tf.timestamp()
             run_updates(updates_per_epoch - warmup)
             end = tf.timestamp()
             top1, top5, images = count_correct().numpy()
-        except tf.errors.DataLossError:
-            report = damage_report(cfg.data.tfrecord_dir)
-            (files.run_dir / DAMAGED_DATA).write_text(report)
-            raise SystemExit(report) from None
-        record = {
-            "epoch": epoch + 1,
-            "train_loss": float(trainer.train_loss.result()),
-            "train_accuracy": float(trainer.train_accuracy.result()),
-            "val_top1": float(top1 / images),
-            "val_top5": float(top5 / images),
-            "images_per_sec": float(
-                (updates_per_epoch - warmup) * images_per_update / (end - timed_start)
-            ),
-            "epoch_time_s": float(end - start),
-        }
+        images_per_sec = (updates_per_epoch - warmup) * images_per_update / (end - timed_start)
+        record = epoch_record(epoch + 1, trainer, (top1, top5, images), images_per_sec, end - start)
         history.append(record)
-        files.end_epoch(history)
-        if files.is_chief:
-            mlflow.log_metrics({k: v for k, v in record.items() if k != "epoch"}, step=epoch + 1)
-            print(
-                f"epoch {epoch + 1}/{cfg.train.epochs}  loss {record['train_loss']:.3f}  "
-                f"top-1 {record['val_top1']:.3f}  top-5 {record['val_top5']:.3f}  "
-                f"{record['images_per_sec']:.1f} img/s  {record['epoch_time_s']:.1f} s",
-                flush=True,
-            )
+        end_epoch(cfg, files, history)
     return history
+
+
+def epoch_record(epoch: int, trainer: Trainer, correct, images_per_sec, epoch_time_s) -> dict:
+    """One epoch's line of history.json; correct: [top-1, top-5, images]."""
+    top1, top5, images = correct
+    return {
+        "epoch": epoch,
+        "train_loss": float(trainer.train_loss.result()),
+        "train_accuracy": float(trainer.train_accuracy.result()),
+        "val_top1": float(top1 / images),
+        "val_top5": float(top5 / images),
+        "images_per_sec": float(images_per_sec),
+        "epoch_time_s": float(epoch_time_s),
+    }
+
+
+def end_epoch(cfg, files: RunFiles, history: list[dict]) -> None:
+    """Checkpoint the epoch; the chief logs it to MLflow and prints it."""
+    import mlflow
+
+    files.end_epoch(history)
+    if not files.is_chief:
+        return
+    record = history[-1]
+    mlflow.log_metrics({k: v for k, v in record.items() if k != "epoch"}, step=record["epoch"])
+    print(
+        f"epoch {record['epoch']}/{cfg.train.epochs}  loss {record['train_loss']:.3f}  "
+        f"top-1 {record['val_top1']:.3f}  top-5 {record['val_top5']:.3f}  "
+        f"{record['images_per_sec']:.1f} img/s  {record['epoch_time_s']:.1f} s",
+        flush=True,
+    )
+
+
+@contextmanager
+def naming_damaged_data(cfg, run_dir: Path):
+    """Turn TensorFlow's DataLossError into a report naming the damaged shards,
+    left in run_dir for the launcher (restarting cannot help)."""
+    try:
+        yield
+    except tf.errors.DataLossError:
+        report = damage_report(cfg.data.tfrecord_dir)
+        (run_dir / DAMAGED_DATA).write_text(report)
+        raise SystemExit(report) from None
 
 
 def damage_report(tfrecord_dir: str) -> str:
