@@ -15,7 +15,6 @@ import math
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 from horovod.common.elastic import ObjectState
@@ -172,16 +171,24 @@ def rank_main(config_path: str) -> None:
             images, labels, lambda tape: hvd.DistributedGradientTape(tape, compression=compression)
         )
 
-    def datasets(rank: int, size: int):
-        """This rank's train batches and validation set. An elastic run keeps the
-        global batch (and so the learning rate); with ranks that do not divide
-        it, the remainder of each batch is left out."""
+    shard = {}
+
+    def reshard() -> None:
+        """This rank's share of the data. An elastic run keeps the global batch
+        (and so the learning rate) for any number of ranks, leaving out the
+        remainder of a batch they do not divide."""
+        rank, size = hvd.rank(), hvd.size()
         per_rank = global_batch // size
         train = make_dataset(cfg.data, "train", per_rank, rank, size, cfg.seed)
-        return iter(train), make_dataset(cfg.data, "validation", per_rank, rank, size)
+        shard["train"] = iter(train)
+        shard["validation"] = make_dataset(cfg.data, "validation", per_rank, rank, size)
 
-    def count_correct(val_batches):
-        return hvd.allreduce(trainer.count_correct(val_batches), op=hvd.Sum)
+    def run_updates(count: int) -> None:
+        for _ in range(count):
+            train_step(*next(shard["train"]))
+
+    def count_correct():
+        return hvd.allreduce(trainer.count_correct(shard["validation"]), op=hvd.Sum)
 
     def track(devices: list[str]) -> None:
         """Start (or, on a new chief, resume) the MLflow run on rank 0."""
@@ -195,95 +202,57 @@ def rank_main(config_path: str) -> None:
             tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
 
     warmup = min(cfg.train.warmup_steps_excluded, updates - 1)
-    if cfg.strategy.elastic:
-        history = train_elastic(
-            cfg,
-            trainer,
-            files,
-            train_step,
-            datasets,
-            count_correct,
-            updates,
-            warmup,
-            lambda: track([device]),
-        )
-    else:
-        track(hvd.allgather_object(device))
-        hvd.broadcast_variables(model.variables, root_rank=0)
-        train_batches, val_batches = datasets(hvd.rank(), hvd.size())
 
-        def run_updates(count: int) -> None:
-            for _ in range(count):
-                train_step(*next(train_batches))
-
-        history = core.train_loop(
+    def train(progress: core.Progress, commit_every: int | None = None) -> list[dict]:
+        return core.train_loop(
             cfg,
             trainer,
             files,
             run_updates,
-            lambda: count_correct(val_batches),
+            count_correct,
             global_batch,
             updates,
             warmup,
+            hvd.size,
+            progress,
+            commit_every,
         )
+
+    if cfg.strategy.elastic:
+        history = train_elastic(cfg, files, trainer, train, reshard, lambda: track([device]))
+    else:
+        track(hvd.allgather_object(device))
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        reshard()
+        history = train(core.Progress(files.restore()))
     if hvd.rank() == 0:
         core.finish(cfg, files, history, mlflow.active_run().info.run_id)
 
 
-def train_elastic(
-    cfg, trainer, files, train_step, datasets, count_correct, updates, warmup, track
-) -> list[dict]:
-    """Epochs from the last checkpoint on, as ranks come and go: the state is
-    committed every strategy.commit_every updates and at each epoch's end; a
-    failed collective restores the last commit on the ranks that are left, a
-    host that rejoins interrupts the next commit, and after either the ranks
-    re-shard the data for their new number and go on where the commit was."""
+def train_elastic(cfg, files, trainer, train, reshard, track) -> list[dict]:
+    """Train as ranks come and go. After a failure the ranks left restore
+    their last commit; when a host rejoins, the next commit stops every rank.
+    Either way they start again from the commit, resharded for their number
+    (the global batch, and so the learning rate, stays as configured)."""
     import horovod.tensorflow as hvd
 
     from distrepro.training import core
 
-    optimizer_variables = trainer.optimizer.variables
     trainer.optimizer.build(trainer.model.trainable_variables)
-    variables = trainer.model.variables + list(
-        optimizer_variables() if callable(optimizer_variables) else optimizer_variables
-    )
-    state = ElasticState(
-        variables, history=files.restore(), batch=0, started=0.0, timed_from=0.0, timed_images=0
-    )
+    optimizer_variables = trainer.optimizer.variables
+    if callable(optimizer_variables):  # LossScaleOptimizer's is a method
+        optimizer_variables = optimizer_variables()
+    variables = trainer.model.variables + list(optimizer_variables)
+    state = ElasticState(variables, **vars(core.Progress(files.restore())))
 
     @hvd.elastic.run
-    def train(state: ElasticState) -> list[dict]:
+    def train_from(state: ElasticState) -> list[dict]:
         files.is_chief = hvd.rank() == 0
         track()
-        train_batches, val_batches = datasets(hvd.rank(), hvd.size())
-        batch_images = cfg.train.global_batch_size // hvd.size() * hvd.size()
-        while len(state.history) < cfg.train.epochs:
-            if state.batch == 0:
-                trainer.reset_metrics()
-                state.started = state.timed_from = time.time()
-                state.timed_images = 0
-            while state.batch < updates:
-                train_step(*next(train_batches))
-                state.batch += 1
-                if state.batch == warmup:
-                    state.timed_from = time.time()
-                elif state.batch > warmup:
-                    state.timed_images += batch_images
-                if state.batch % cfg.strategy.commit_every == 0:
-                    state.commit()
-            end = time.time()
-            correct = count_correct(val_batches).numpy()
-            images_per_sec = state.timed_images / (end - state.timed_from)
-            epoch = len(state.history) + 1
-            record = core.epoch_record(epoch, trainer, correct, images_per_sec, end - state.started)
-            state.history = [*state.history, record | {"ranks": hvd.size()}]
-            state.batch = 0
-            core.end_epoch(cfg, files, state.history)
-            state.commit()
-        return state.history
+        reshard()
+        return train(state, cfg.strategy.commit_every)
 
-    with core.naming_damaged_data(cfg, files.run_dir):
-        return train(state)
+    return train_from(state)
 
 
 if __name__ == "__main__":

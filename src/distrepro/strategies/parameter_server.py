@@ -194,6 +194,7 @@ def coordinator_main(config_path: str) -> None:
         per_worker,
         updates,
         min(warmup, updates - steps_per_call),
+        lambda: cfg.strategy.num_workers,
     )
     core.finish(cfg, files, history, run_id)
 

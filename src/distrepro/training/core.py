@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -204,6 +205,17 @@ class RunFiles:
         return metrics
 
 
+class Progress:
+    """How far training is: the epochs' history and the position in the
+    current epoch. Elastic Horovod keeps one that it commits and shares."""
+
+    def __init__(self, history: list[dict]):
+        self.history, self.batch, self.started, self.timed_from = history, 0, 0.0, 0.0
+
+    def commit(self) -> None:
+        """Nothing to keep: without elastic Horovod a failure restarts the run."""
+
+
 def train_loop(
     cfg,
     trainer: Trainer,
@@ -213,25 +225,42 @@ def train_loop(
     images_per_update: int,
     updates_per_epoch: int,
     warmup: int,
+    workers: Callable[[], int],
+    progress: Progress | None = None,
+    commit_every: int | None = None,
 ) -> list[dict]:
-    """Epochs from the last checkpoint on; the chief logs to MLflow and prints.
-
-    The first `warmup` updates of each epoch are left out of images/s."""
-    history = files.restore()
-    for epoch in range(len(history), cfg.train.epochs):
-        trainer.reset_metrics()
-        with naming_damaged_data(cfg, files.run_dir):
-            start = tf.timestamp()
-            run_updates(warmup)
-            timed_start = tf.timestamp()
-            run_updates(updates_per_epoch - warmup)
-            end = tf.timestamp()
-            top1, top5, images = count_correct().numpy()
-        images_per_sec = (updates_per_epoch - warmup) * images_per_update / (end - timed_start)
-        record = epoch_record(epoch + 1, trainer, (top1, top5, images), images_per_sec, end - start)
-        history.append(record)
-        end_epoch(cfg, files, history)
-    return history
+    """Epochs from `progress` (by default the last checkpoint) on, committing it
+    every `commit_every` updates and at each epoch's end; the chief logs each
+    epoch to MLflow and prints it. The first `warmup` updates of each epoch are
+    left out of images/s; `workers` says how many took part."""
+    progress = progress or Progress(files.restore())
+    stops = sorted(
+        {warmup, updates_per_epoch, *range(0, updates_per_epoch, commit_every or updates_per_epoch)}
+    )
+    with naming_damaged_data(cfg, files.run_dir):
+        while len(progress.history) < cfg.train.epochs:
+            if progress.batch == 0:
+                trainer.reset_metrics()
+                progress.started = progress.timed_from = time.time()
+            for stop in (s for s in stops if s > progress.batch):
+                run_updates(stop - progress.batch)
+                progress.batch = stop
+                if stop == warmup:
+                    progress.timed_from = time.time()
+                progress.commit()
+            end = time.time()
+            correct = count_correct().numpy()
+            images_per_sec = (
+                (updates_per_epoch - warmup) * images_per_update / (end - progress.timed_from)
+            )
+            record = epoch_record(
+                len(progress.history) + 1, trainer, correct, images_per_sec, end - progress.started
+            )
+            progress.history = [*progress.history, record | {"workers": workers()}]
+            progress.batch = 0
+            end_epoch(cfg, files, progress.history)
+            progress.commit()
+    return progress.history
 
 
 def epoch_record(epoch: int, trainer: Trainer, correct, images_per_sec, epoch_time_s) -> dict:
