@@ -91,6 +91,9 @@ def test_horovod_two_ranks_average_like_one_process_with_twice_the_batch(
         (["train.epochs=0"], "train.epochs=0"),
         (["data.tfrecord_dir=/nonexistent/tfrecords"], "data.tfrecord_dir='/nonexistent"),
         (["strategy=parameter_server", "strategy.num_ps=0"], "strategy.num_ps=0"),
+        (["seed=-1"], "seed=-1"),
+        (["train.target_top1=0"], "train.target_top1=0"),
+        (["train.target_top1=1.5"], "train.target_top1=1.5"),
         (["strategy.elastic=true", "strategy.min_workers=3"], "strategy.min_workers=3"),
         (["strategy.elastic=true", "strategy.controller=mpi"], "controller=mpi"),
         (["strategy.elastic=true", "strategy.commit_every=0"], "strategy.commit_every=0"),
@@ -441,3 +444,24 @@ def test_a_run_that_keeps_failing_stops_after_max_restarts(digits_tfrecords, tmp
     assert "task worker:0" in output and "exited with -9" in output
     assert "giving up: train.max_restarts=0 restarts already used" in output
     assert not training_processes()
+
+
+def test_one_deterministic_rank_repeats_a_seed_exactly_and_not_another(
+    digits_tfrecords, tmp_path, mlflow_uri
+):
+    def losses(name: str, seed: int) -> list[float]:
+        metrics = launch(
+            digits_tfrecords,
+            tmp_path / name,
+            "strategy.num_workers=1",
+            "train.deterministic=true",
+            f"seed={seed}",
+            "train.epochs=2",
+            "train.steps_per_epoch=8",
+        )
+        assert metrics["seed"] == seed and metrics["setting"] in metrics["run_name"]
+        return [h["train_loss"] for h in metrics["history"]]
+
+    first = losses("first", 0)
+    assert losses("again", 0) == first
+    assert losses("other", 1) != first

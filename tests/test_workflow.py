@@ -41,21 +41,37 @@ def runs_of(repo, **tags):
 
 def test_reproduce_reports_both_strategies_with_mlflow_runs(reproduced):
     report = (reproduced / "results/report/report.md").read_text()
-    assert "parameter_server (b64, 2 workers)" in report and "horovod (b64, 2 workers)" in report
-    assert "4249" in report and "5058" in report
-    for png in ("throughput.png", "accuracy.png"):
+    for strategy in ("parameter_server", "horovod"):
+        # three seeds: a mean and its interval, e.g. "| 512.3 (498.0 to 526.6) |"
+        row = next(line for line in report.splitlines() if f"| {strategy} (b64, 2 workers)" in line)
+        assert re.search(r"\| 3 \| [\d.]+ \([\d.]+ to [\d.]+\) \|", row), row
+    assert "4249" in report and "5058" in report and "(single runs)" in report
+    assert re.search(r"horovod is \d+ % (faster|slower)|No difference in img/s", report)
+    assert "asynchronous" in report
+    for png in ("throughput.png", "accuracy.png", "time_to_accuracy.png"):
         with Image.open(reproduced / "results/report" / png) as image:
             image.load()
             assert image.size[0] > 100
     metrics = [json.loads(p.read_text()) for p in reproduced.glob("results/runs/*/metrics.json")]
-    assert sorted(m["strategy"] for m in metrics) == ["horovod", "parameter_server"]
+    assert sorted((m["strategy"], m["seed"]) for m in metrics) == [
+        (strategy, seed) for strategy in ("horovod", "parameter_server") for seed in (0, 1, 2)
+    ]
     for m in metrics:
         assert m["top1"] >= 0.90 and m["eval_top1"] >= 0.90, m["run_name"]
         run_ = client(reproduced).get_run(m["mlflow_run_id"])
         assert run_.data.params["strategy.name"] == m["strategy"]
+        assert run_.data.tags["seed"] == str(m["seed"])
         assert run_.data.metrics["eval_top1"] == pytest.approx(m["eval_top1"])
         assert run_.data.tags["dvc_tfrecords_md5"].endswith(".dir")
-    assert len(runs_of(reproduced)) == 2
+    parents = [r for r in runs_of(reproduced) if "seed" not in r.data.tags]
+    assert sorted(p.data.tags["setting"].split("-")[2] for p in parents) == [
+        "horovod",
+        "parameter_server",
+    ]
+    for parent in parents:
+        seeds = runs_of(reproduced, **{"mlflow.parentRunId": parent.info.run_id})
+        assert sorted(r.data.tags["seed"] for r in seeds) == ["0", "1", "2"]
+        assert {r.data.tags["setting"] for r in seeds} == {parent.data.tags["setting"]}
 
 
 def test_reproduce_leaves_data_clean_and_a_second_run_does_nothing(reproduced):
@@ -68,7 +84,14 @@ def test_reproduce_leaves_data_clean_and_a_second_run_does_nothing(reproduced):
 def test_a_changed_value_reruns_exactly_the_jobs_it_affects(reproduced):
     dry = run(["snakemake", "-n", "--config", "overrides=train.weight_decay=0.0"], reproduced)
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, re.M))
-    assert counts == {"train": "2", "evaluate": "2", "report": "1", "reproduce": "1", "total": "6"}
+    assert counts == {
+        "setting_parent": "2",
+        "train": "6",
+        "evaluate": "6",
+        "report": "1",
+        "reproduce": "1",
+        "total": "16",
+    }
 
 
 def test_snakemake_report_includes_the_plots(reproduced):
@@ -77,16 +100,23 @@ def test_snakemake_report_includes_the_plots(reproduced):
     assert "throughput.png" in page and "accuracy.png" in page
 
 
-def test_two_point_sweep_runs_side_by_side_under_one_parent(reproduced):
+def test_two_point_sweep_with_two_seeds_nests_seeds_under_points_under_one_parent(reproduced):
     config = [
         "sweep=train.global_batch_size=32,64 strategy=horovod",
         "overrides=train.epochs=2 strategy.num_workers=1",
+        "seeds=2",
     ]
     run(["snakemake", "--cores", "2", "sweep", "--config", *config], reproduced, timeout=1800)
-    parents = [r for r in runs_of(reproduced) if "sweep" in r.data.tags]
-    assert len(parents) == 1
-    children = runs_of(reproduced, **{"mlflow.parentRunId": parents[0].info.run_id})
-    lrs = peak_learning_rates(children)
+    (sweep,) = [r for r in runs_of(reproduced) if "sweep" in r.data.tags]
+    points = runs_of(reproduced, **{"mlflow.parentRunId": sweep.info.run_id})
+    assert len(points) == 2 and all("setting" in p.data.tags for p in points)
+    seeds = [
+        run_
+        for point in points
+        for run_ in runs_of(reproduced, **{"mlflow.parentRunId": point.info.run_id})
+    ]
+    assert sorted(r.data.tags["seed"] for r in seeds) == ["0", "0", "1", "1"]
+    lrs = peak_learning_rates(seeds)
     assert sorted(lrs) == [32, 64]
     assert lrs[64] == pytest.approx(2 * lrs[32])
     (sweep_dir,) = reproduced.glob("results/sweeps/*/report")
@@ -163,14 +193,14 @@ def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_pa
         (experiment,) = [
             e for e in client(reproduced).search_experiments() if e.name == "distrepro"
         ]
-        # Sweep children (if the sweep test ran first) are folded under their parent.
+        # Seeds (and a sweep's settings) are folded under their parents.
         runs = [r for r in runs_of(reproduced) if "mlflow.parentRunId" not in r.data.tags]
         listing = rendered_text(
             f"{base}/#/experiments/{experiment.experiment_id}/runs", tmp_path / "a"
         )
         for r in runs:
             assert r.info.run_name in listing
-        trained = next(r for r in runs if "eval_top1" in r.data.metrics)
+        trained = next(r for r in runs_of(reproduced) if "eval_top1" in r.data.metrics)
         run_page = rendered_text(
             f"{base}/#/experiments/{experiment.experiment_id}/runs/{trained.info.run_id}",
             tmp_path / "b",

@@ -100,6 +100,8 @@ class TrainConfig:
     steps_per_epoch: Optional[int] = None
     xla: bool = False
     max_restarts: int = 3
+    target_top1: float = 0.97
+    deterministic: bool = False
 
 
 @dataclass
@@ -183,14 +185,20 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def run_name(cfg: DictConfig) -> str:
-    """A readable name that changes whenever anything the run depends on does."""
+def setting_name(cfg: DictConfig) -> str:
+    """A readable name that changes whenever anything but the seed does: what
+    the runs of one setting with different seeds share."""
     plain = to_plain(cfg)
-    for not_the_run in ("prepare", "report", "mlflow_parent_run_id"):
-        plain.pop(not_the_run, None)
+    for not_the_setting in ("prepare", "report", "mlflow_parent_run_id", "seed"):
+        plain.pop(not_the_setting, None)
     digest = hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
     return (
         f"{cfg.data.name}-{cfg.model.name}-{plain['strategy']['name']}"
         f"-{plain['precision']['name']}-b{cfg.train.global_batch_size}"
         f"-w{cfg.strategy.num_workers}-{digest[:8]}"
     )
+
+
+def run_name(cfg: DictConfig) -> str:
+    """A readable name that changes whenever anything the run depends on does."""
+    return f"{setting_name(cfg)}-s{cfg.seed}"

@@ -29,6 +29,10 @@ def validate(cfg: DictConfig) -> None:
     train, strategy = cfg.train, cfg.strategy
     if train.epochs < 1:
         raise ConfigError(f"train.epochs={train.epochs} must be at least 1")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed={cfg.seed} must be at least 0")
+    if not 0 < train.target_top1 <= 1:
+        raise ConfigError(f"train.target_top1={train.target_top1} must be in (0, 1]")
     if train.max_restarts < 0:
         raise ConfigError(f"train.max_restarts={train.max_restarts} must be at least 0")
     if strategy.num_workers < 1:
@@ -160,7 +164,7 @@ def multirun_parent(cfg: DictConfig) -> str | None:
         from distrepro.tracking import start_parent
 
         name = f"multirun-{Path(hydra_cfg.sweep.dir).name}"
-        id_file.write_text(start_parent(cfg.mlflow_experiment, name))
+        id_file.write_text(start_parent(cfg.mlflow_experiment, "sweep", name))
     return id_file.read_text().strip()
 
 

@@ -6,6 +6,7 @@ writes report.md, report.html and PNG plots to report.out_dir."""
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import platform
 from pathlib import Path
@@ -15,82 +16,205 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from distrepro import config  # noqa: E402,F401  (registers the config schema)
+from distrepro import config, stats  # noqa: E402,F401  (config registers the schema)
 
 SEED = {
     "setting": "ImageNet, ResNet-50, 8 x V100 (p3.16xlarge), batch 2048, fp16, 90 epochs",
     "parameter_server": {"images_per_sec": 4249, "total_time_s": 27621, "best_top1": 0.7549},
     "horovod": {"images_per_sec": 5058, "total_time_s": 22906, "best_top1": 0.7559},
 }
-SUMMARY_KEYS = ("strategy", "images_per_sec", "total_time_s", "top1", "top5", "best_top1")
-COLUMNS = ("strategy", "img/s", "total time (s)", "best top-1", "top-5", "speedup")
+SUMMARY_KEYS = ("strategy", "seed", "images_per_sec", "total_time_s", "top1", "best_top1")
+MEASURES = (  # metrics.json key, column, format
+    ("images_per_sec", "img/s", "{:.1f}"),
+    ("total_time_s", "total time (s)", "{:.1f}"),
+    ("best_top1", "best top-1", "{:.2%}"),
+    ("time_to_target_s", "time to target (s)", "{:.1f}"),
+)
+COLUMNS = ("setting", "seeds", *(column for _, column, _ in MEASURES))
+ASYNCHRONOUS = (
+    "Parameter-server training is asynchronous: the order in which the workers' "
+    "updates reach the variables depends on timing, so its runs differ even with "
+    "one seed and `train.deterministic=true`; its spread is part of what is measured."
+)
 
 
 def load_runs(run_dirs: list[str]) -> list[dict]:
     return [json.loads((Path(d) / "metrics.json").read_text()) for d in run_dirs]
 
 
-def table_rows(runs: list[dict]) -> list[list[str]]:
-    baseline = {r["images_per_sec"] for r in runs if r["strategy"] == "parameter_server"}
-    rows = []
+def settings(runs: list[dict]) -> dict[str, list[dict]]:
+    """Runs that differ only in their seed, under a readable label."""
+    groups: dict[str, list[dict]] = {}
     for run in runs:
-        speedup = run["images_per_sec"] / min(baseline) if baseline else float("nan")
-        rows.append(
-            [
-                f"{run['strategy']} (b{run['global_batch_size']}, {run['num_workers']} workers)",
-                f"{run['images_per_sec']:.1f}",
-                f"{run['total_time_s']:.1f}",
-                f"{100 * run['best_top1']:.2f} %",
-                f"{100 * run.get('eval_top5', run['top5']):.2f} %",
-                f"{speedup:.2f}x",
-            ]
-        )
-    return rows
+        groups.setdefault(run["setting"], []).append(run)
+    return {label(group[0]): group for group in groups.values()}
 
 
-def seed_rows() -> list[list[str]]:
-    ps = SEED["parameter_server"]["images_per_sec"]
+def label(run: dict) -> str:
+    return f"{run['strategy']} (b{run['global_batch_size']}, {run['num_workers']} workers)"
+
+
+def values(group: list[dict], key: str) -> list[float]:
+    return [run[key] for run in group if run.get(key) is not None]
+
+
+def cell(group: list[dict], key: str, form: str) -> str:
+    found = values(group, key)
+    if not found:
+        return "not reached"
+    interval = stats.mean_interval(found)
+    text = form.format(interval.estimate)
+    if interval.resolved:
+        text += f" ({form.format(interval.low)} to {form.format(interval.high)})"
+    if len(found) < len(group):
+        text += f", {len(found)} of {len(group)} reached"
+    return text
+
+
+def table_rows(groups: dict[str, list[dict]]) -> list[list[str]]:
     return [
-        [
-            name,
-            f"{s['images_per_sec']}",
-            f"{s['total_time_s']:,}",
-            f"{100 * s['best_top1']:.2f} %",
-            "-",
-            f"{s['images_per_sec'] / ps:.2f}x",
-        ]
-        for name, s in ((n, SEED[n]) for n in ("parameter_server", "horovod"))
+        [name, str(len(group)), *(cell(group, key, form) for key, _, form in MEASURES)]
+        for name, group in groups.items()
     ]
 
 
-def plot(runs: list[dict], key: str, ylabel: str, path: Path) -> None:
+def seed_rows() -> list[list[str]]:
+    return [
+        [
+            f"{name} (batch 2048, 8 GPUs)",
+            "1",
+            f"{SEED[name]['images_per_sec']}",
+            f"{SEED[name]['total_time_s']:,}",
+            f"{SEED[name]['best_top1']:.2%}",
+            "-",
+        ]
+        for name in ("parameter_server", "horovod")
+    ]
+
+
+def verdicts(groups: dict[str, list[dict]]) -> list[str]:
+    """One sentence per measure for each Horovod setting beside a parameter-server
+    setting that differs only in its strategy."""
+    sentences = []
+    for name, group in groups.items():
+        first = group[0]
+        if first["strategy"] != "horovod":
+            continue
+        for other_name, other in groups.items():
+            if other[0]["strategy"] == "parameter_server" and comparable(first, other[0]):
+                sentences += compare(name, group, other_name, other)
+    return sentences
+
+
+def comparable(a: dict, b: dict) -> bool:
+    keys = ("dataset", "model", "precision", "global_batch_size", "num_workers", "epochs")
+    return all(a[k] == b[k] for k in keys)
+
+
+def compare(a_name: str, a: list[dict], b_name: str, b: list[dict]) -> list[str]:
+    a_short, b_short = a[0]["strategy"], b[0]["strategy"]
+    sentences = [
+        stats.ratio_sentence(
+            a_short,
+            b_short,
+            stats.ratio_interval(values(a, "images_per_sec"), values(b, "images_per_sec")),
+            "faster",
+            "slower",
+            "img/s",
+        ),
+        stats.ratio_sentence(
+            a_short,
+            b_short,
+            stats.ratio_interval(values(a, "total_time_s"), values(b, "total_time_s")),
+            "longer",
+            "shorter",
+            "total time",
+        ),
+        stats.difference_sentence(
+            a_short,
+            b_short,
+            stats.difference_interval(values(a, "best_top1"), values(b, "best_top1")),
+            "best top-1",
+        ),
+    ]
+    reached_a, reached_b = values(a, "time_to_target_s"), values(b, "time_to_target_s")
+    target = a[0]["target_top1"]
+    if reached_a and reached_b:
+        ratio = stats.ratio_interval(reached_a, reached_b)
+        sentences.append(
+            stats.ratio_sentence(
+                a_short, b_short, ratio, "longer", "shorter", f"time to top-1 {target:.0%}"
+            )
+        )
+    else:
+        sentences.append(
+            f"Time to top-1 {target:.0%}: reached by {len(reached_a)} of {len(a)} {a_short} "
+            f"runs and {len(reached_b)} of {len(b)} {b_short} runs; no ratio."
+        )
+    return [f"{a_name} against {b_name}: " + " ".join(sentences)]
+
+
+def curves(group: list[dict], x_key: str, y_key: str) -> list[tuple[list[float], list[float]]]:
+    """Each run's curve of y against x (an epoch, or the cumulated epoch time)."""
+    result = []
+    for run in group:
+        history = run["history"]
+        if x_key == "wall_time_s":
+            x = list(np.cumsum([h["epoch_time_s"] for h in history]))
+        else:
+            x = [h[x_key] for h in history]
+        result.append((x, [h[y_key] for h in history]))
+    return result
+
+
+def plot(
+    groups: dict[str, list[dict]],
+    x_key: str,
+    y_key: str,
+    labels: tuple[str, str],
+    path: Path,
+    target: float | None = None,
+) -> None:
+    """Each seed's curve thin, the mean over the seeds bold, a colour per setting."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for run in runs:
-        epochs = [h["epoch"] for h in run["history"]]
-        ax.plot(epochs, [h[key] for h in run["history"]], marker="o", label=run["run_name"])
-    ax.set_xlabel("epoch")
-    ax.set_ylabel(ylabel)
+    for color, (name, group) in zip(itertools.cycle(plt.cm.tab10.colors), groups.items()):
+        lines = curves(group, x_key, y_key)
+        for x, y in lines:
+            ax.plot(x, y, color=color, linewidth=0.7, alpha=0.5)
+        epochs = min(len(x) for x, _ in lines)
+        mean_x = np.mean([x[:epochs] for x, _ in lines], axis=0)
+        mean_y = np.mean([y[:epochs] for _, y in lines], axis=0)
+        ax.plot(mean_x, mean_y, color=color, linewidth=2.5, label=f"{name}, mean of {len(lines)}")
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.0%}")
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def plot_against_batch(runs: list[dict], path: Path) -> None:
+def plot_against_batch(groups: dict[str, list[dict]], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
-    for strategy in sorted({r["strategy"] for r in runs}):
+    for strategy in sorted({g[0]["strategy"] for g in groups.values()}):
         mine = sorted(
-            (r for r in runs if r["strategy"] == strategy), key=lambda r: r["global_batch_size"]
+            (g for g in groups.values() if g[0]["strategy"] == strategy),
+            key=lambda g: g[0]["global_batch_size"],
         )
-        batches = [r["global_batch_size"] for r in mine]
-        left.plot(batches, [r["images_per_sec"] for r in mine], marker="o", label=strategy)
-        right.plot(batches, [r["best_top1"] for r in mine], marker="o", label=strategy)
-    for ax, label in ((left, "images/s"), (right, "best top-1")):
+        batches = [g[0]["global_batch_size"] for g in mine]
+        for ax, key in ((left, "images_per_sec"), (right, "best_top1")):
+            intervals = [stats.mean_interval(values(g, key)) for g in mine]
+            means = [i.estimate for i in intervals]
+            errors = [0.0 if not i.resolved else i.high - i.estimate for i in intervals]
+            ax.errorbar(batches, means, yerr=errors, marker="o", capsize=3, label=strategy)
+    for ax, ylabel in ((left, "images/s"), (right, "best top-1")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("global batch size")
-        ax.set_ylabel(label)
+        ax.set_ylabel(ylabel)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -110,31 +234,59 @@ def html_table(rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def summary(groups: dict[str, list[dict]]) -> dict:
+    """report metrics.json (`dvc metrics show`): each setting's means and intervals."""
+    result = {}
+    for name, group in groups.items():
+        entry = {"runs": {r["run_name"]: {k: r.get(k) for k in SUMMARY_KEYS} for r in group}}
+        for key, _, _ in MEASURES:
+            found = values(group, key)
+            if found:
+                interval = stats.mean_interval(found)
+                entry[key] = {"mean": interval.estimate, "ci95": [interval.low, interval.high]}
+        result[name] = entry
+    return result
+
+
 def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = [out_dir / "throughput.png", out_dir / "accuracy.png"]
-    plot(runs, "images_per_sec", "images/s", plots[0])
-    plot(runs, "val_top1", "validation top-1", plots[1])
+    groups = settings(runs)
+    target = runs[0]["target_top1"]
+    plots = [out_dir / name for name in ("throughput.png", "accuracy.png", "time_to_accuracy.png")]
+    plot(groups, "epoch", "images_per_sec", ("epoch", "images/s"), plots[0])
+    plot(groups, "epoch", "val_top1", ("epoch", "validation top-1"), plots[1], target)
+    plot(
+        groups,
+        "wall_time_s",
+        "val_top1",
+        ("training time (s)", "validation top-1"),
+        plots[2],
+        target,
+    )
     if len({r["global_batch_size"] for r in runs}) > 1:
         plots.append(out_dir / "batch_size.png")
-        plot_against_batch(runs, plots[-1])
+        plot_against_batch(groups, plots[-1])
     ours = (
         f"{runs[0]['dataset']}, {runs[0]['model']}, {runs[0]['precision']}, "
-        f"{runs[0]['epochs']} epochs, on {platform.machine()} CPU"
+        f"{runs[0]['epochs']} epochs, target top-1 {target:.0%}, on {platform.machine()} CPU; "
+        "mean over the seeds, 95 % confidence interval in brackets"
     )
     sections = [
-        ("This run", ours, table_rows(runs)),
-        ("The seed experiment", SEED["setting"], seed_rows()),
+        ("This project's runs", ours, table_rows(groups)),
+        ("The seed experiment (single runs)", SEED["setting"], seed_rows()),
     ]
+    findings = verdicts(groups) + [ASYNCHRONOUS]
     md = ["# Parameter server vs Horovod\n"]
     page = ["<html><body><h1>Parameter server vs Horovod</h1>"]
     for title, setting, rows in sections:
         md += [f"## {title}\n", f"{setting}\n", markdown_table(rows), ""]
         page += [f"<h2>{title}</h2><p>{html.escape(setting)}</p>", html_table(rows)]
+    md += ["## What the runs support\n", *(f"- {f}" for f in findings), ""]
+    page += ["<h2>What the runs support</h2><ul>"]
+    page += [f"<li>{html.escape(f)}</li>" for f in findings] + ["</ul>"]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     page += [f'<img src="{p.name}" alt="{p.stem}">' for p in plots] + ["</body></html>"]
-    summary = {r["run_name"]: {k: r[k] for k in SUMMARY_KEYS} for r in runs}
-    (out_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "metrics.json").write_text(json.dumps(summary(groups), indent=2) + "\n")
     (out_dir / "report.md").write_text("\n".join(md) + "\n")
     (out_dir / "report.html").write_text("\n".join(page) + "\n")
     return [out_dir / "report.md", out_dir / "report.html", out_dir / "metrics.json", *plots]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import mlflow
 import yaml
+from omegaconf import OmegaConf
 
-from distrepro.config import flatten
+from distrepro.config import flatten, setting_name
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("tensorflow", "tf_keras", "horovod", "mlflow", "snakemake", "dvc", "hydra-core")
@@ -74,6 +75,7 @@ def start_run(plain_cfg: dict, run_dir: Path, extra_params: dict) -> str:
         "command": (run_dir / "command").read_text().strip(),
         **versions(),
     }
+    tags |= {"seed": str(plain_cfg["seed"]), "setting": setting_name(OmegaConf.create(plain_cfg))}
     parent = plain_cfg.get("mlflow_parent_run_id")
     if parent:
         tags["mlflow.parentRunId"] = parent
@@ -100,25 +102,29 @@ def log_restarts(run_dir: Path, causes: list[str]) -> None:
         client.set_tag(run_id, f"restart.{number}", cause)
 
 
-def start_parent(experiment: str, name: str) -> str:
-    """An MLflow run that a sweep's runs are children of."""
+def start_parent(experiment: str, kind: str, name: str, parent_run_id: str = "") -> str:
+    """An MLflow run that runs are children of: a sweep's settings, or a
+    setting's seeds (kind "sweep" or "setting", tagged kind=name)."""
     experiment_id = ensure_experiment(experiment)
     client = mlflow.MlflowClient()
-    run = client.create_run(experiment_id, run_name=name, tags={"sweep": name})
+    tags = {kind: name} | ({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})
+    run = client.create_run(experiment_id, run_name=name, tags=tags)
     client.set_terminated(run.info.run_id)
     return run.info.run_id
 
 
 def main(argv: list[str]) -> None:
-    """`init EXPERIMENT OUT` creates the store and experiment; `parent EXPERIMENT
-    NAME OUT` creates a sweep's parent run. OUT receives the id."""
+    """`init EXPERIMENT OUT` creates the store and experiment; `parent KIND
+    EXPERIMENT NAME OUT [PARENT_RUN_ID]` creates a parent run. OUT receives the id."""
     if argv[:1] == ["init"] and len(argv) == 3:
         Path(argv[2]).write_text(ensure_experiment(argv[1]) + "\n")
-    elif argv[:1] == ["parent"] and len(argv) == 4:
-        Path(argv[3]).write_text(start_parent(argv[1], argv[2]) + "\n")
+    elif argv[:1] == ["parent"] and len(argv) in (5, 6) and argv[1] in ("sweep", "setting"):
+        kind, experiment, name, out, *parent = argv[1:]
+        Path(out).write_text(start_parent(experiment, kind, name, *parent) + "\n")
     else:
         raise SystemExit(
-            "usage: python -m distrepro.tracking init EXPERIMENT OUT | parent EXPERIMENT NAME OUT"
+            "usage: python -m distrepro.tracking init EXPERIMENT OUT | "
+            "parent sweep|setting EXPERIMENT NAME OUT [PARENT_RUN_ID]"
         )
 
 

@@ -4,10 +4,15 @@ import shlex
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from distrepro.config import compose_many, run_name
+from distrepro.config import compose_many, run_name, setting_name
 from distrepro.launch import describe
 
 STRATEGIES = ["parameter_server", "horovod"]
+SEEDS = (
+    list(range(config["seeds"]))
+    if isinstance(config["seeds"], int)
+    else [int(seed) for seed in config["seeds"].split(",")]
+)
 
 
 def base_overrides():
@@ -17,7 +22,7 @@ def base_overrides():
 
 def sweep_points():
     """Hydra's sweep grammar, several keys -> their product; both strategies
-    unless the sweep names one."""
+    and every seed unless the sweep names them."""
     parsed = OverridesParser.create().parse_overrides(shlex.split(config["sweep"]))
     axes = [
         (
@@ -27,15 +32,22 @@ def sweep_points():
         )
         for o in parsed
     ]
-    if not any(o.get_key_element() == "strategy" for o in parsed):
+    named = {o.get_key_element() for o in parsed}
+    if "strategy" not in named:
         axes.append([f"strategy={s}" for s in STRATEGIES])
+    if "seed" not in named:
+        axes.append([f"seed={s}" for s in SEEDS])
     return [list(point) for point in itertools.product(*axes)]
 
 
 SWEEP_ID = hashlib.sha256((config["overrides"] + config["sweep"]).encode()).hexdigest()[
     :8
 ]
-REPRODUCE_OVERRIDES = [base_overrides() + [f"strategy={s}"] for s in STRATEGIES]
+REPRODUCE_OVERRIDES = [
+    base_overrides() + [f"strategy={strategy}", f"seed={seed}"]
+    for strategy in STRATEGIES
+    for seed in SEEDS
+]
 SWEEP_OVERRIDES = (
     [base_overrides() + p for p in sweep_points()] if config["sweep"] else []
 )
@@ -53,12 +65,9 @@ def run_config(wildcards):
 
 
 def run_overrides(wildcards):
-    """The run's overrides, quoted for the shell; sweep runs name their parent."""
-    overrides = RUNS[wildcards.run][0]
-    quoted = shlex.join(overrides)
-    if wildcards.run in SWEEP_RUNS:
-        quoted += f" mlflow_parent_run_id=$(cat {sweep_parent_file()})"
-    return quoted
+    """The run's overrides, quoted for the shell, naming its setting's parent run."""
+    quoted = shlex.join(RUNS[wildcards.run][0])
+    return f"{quoted} mlflow_parent_run_id=$(cat {setting_parent_file(wildcards)})"
 
 
 def tfrecords_of(wildcards):
@@ -66,13 +75,29 @@ def tfrecords_of(wildcards):
 
 
 def train_inputs(wildcards):
-    inputs = {
+    return {
         "tfrecords": tfrecords_of(wildcards),
         "store": "results/mlflow/experiment_id",
+        "parent": setting_parent_file(wildcards),
     }
-    if wildcards.run in SWEEP_RUNS:
-        inputs["parent"] = sweep_parent_file()
-    return inputs
+
+
+def setting_parent_file(wildcards):
+    """The MLflow parent of a setting's seeds; a sweep's settings are its children."""
+    scope = f"sweeps/{SWEEP_ID}" if wildcards.run in SWEEP_RUNS else "reproduce"
+    return (
+        f"results/{scope}/settings/{setting_name(run_config(wildcards))}/parent_run_id"
+    )
+
+
+def setting_parent_inputs(wildcards):
+    if wildcards.scope == "reproduce":
+        return ["results/mlflow/experiment_id"]
+    return ["results/mlflow/experiment_id", sweep_parent_file()]
+
+
+def outer_parent(wildcards):
+    return "" if wildcards.scope == "reproduce" else f"$(cat {sweep_parent_file()})"
 
 
 def plan_of(wildcards):

@@ -39,4 +39,24 @@ rule sweep_parent:
     params:
         experiment=EXPERIMENT,
     shell:
-        "python -m distrepro.tracking parent {params.experiment} sweep-{wildcards.sweep} {output} > {log} 2>&1"
+        "python -m distrepro.tracking parent sweep {params.experiment} sweep-{wildcards.sweep} {output} > {log} 2>&1"
+
+
+rule setting_parent:
+    input:
+        setting_parent_inputs,
+    output:
+        "results/{scope}/settings/{setting}/parent_run_id",
+    log:
+        "logs/setting_parent/{scope}/{setting}.log",
+    benchmark:
+        "results/benchmarks/setting_parent/{scope}/{setting}.tsv"
+    wildcard_constraints:
+        scope="reproduce|sweeps/[0-9a-f]+",
+    conda:
+        "../../environment.yml"
+    params:
+        experiment=EXPERIMENT,
+        parent=outer_parent,
+    shell:
+        "python -m distrepro.tracking parent setting {params.experiment} {wildcards.setting} {output} {params.parent} > {log} 2>&1"

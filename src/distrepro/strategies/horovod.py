@@ -153,7 +153,7 @@ def rank_main(config_path: str) -> None:
     gpu = gpu_index(cfg, hvd.local_rank()) if cfg.strategy.gpus_per_worker else None
     device = f"rank {hvd.rank()} on {socket.gethostname()}: {core.use_gpu(gpu)}"
     core.set_precision(cfg.precision.name)
-    tf.random.set_seed(cfg.seed)
+    core.set_seed(cfg)
     metadata = read_metadata(cfg.data.tfrecord_dir)
     global_batch = cfg.train.global_batch_size
     updates = core.epoch_plan(cfg, metadata["splits"]["train"]["images"], global_batch)

@@ -134,7 +134,7 @@ def coordinator_main(config_path: str) -> None:
     run_dir = Path(config_path).parent
     threads = core.set_threads(cfg.strategy.num_workers + cfg.strategy.num_ps + 1)
     core.set_precision(cfg.precision.name)
-    tf.random.set_seed(cfg.seed)
+    core.set_seed(cfg)
     metadata = read_metadata(cfg.data.tfrecord_dir)
     per_worker = cfg.train.global_batch_size // cfg.strategy.num_workers
     steps_per_call = cfg.strategy.steps_per_call

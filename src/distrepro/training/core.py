@@ -16,7 +16,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 from distrepro.atomic import write_json_atomically
+from distrepro.config import setting_name
 from distrepro.processes import DAMAGED_DATA
+from distrepro.stats import time_to_target
 
 POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
 STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
@@ -42,6 +44,14 @@ def use_gpu(index: int | None) -> str:
     for gpu in chosen:
         tf.config.experimental.set_memory_growth(gpu, True)
     return chosen[0].name if chosen else "cpu"
+
+
+def set_seed(cfg) -> None:
+    """The seed sets initialisation, data order and augmentation; with
+    train.deterministic, TensorFlow's ops give the same results every time."""
+    keras.utils.set_random_seed(cfg.seed)
+    if cfg.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
 
 
 def set_precision(name: str) -> None:
@@ -197,6 +207,10 @@ class RunFiles:
             "top1": history[-1]["val_top1"],
             "top5": history[-1]["val_top5"],
             "best_top1": max(h["val_top1"] for h in history),
+            "seed": cfg.seed,
+            "setting": setting_name(cfg),
+            "target_top1": cfg.train.target_top1,
+            **time_to_target(history, cfg.train.target_top1),
             "final_checkpoint": self.manager.latest_checkpoint,
             "mlflow_run_id": mlflow_run_id,
             "history": history,
@@ -324,9 +338,10 @@ def finish(cfg, files: RunFiles, history: list[dict], run_id: str) -> dict:
     import mlflow
 
     metrics = files.write_metrics(cfg, history, run_id)
-    mlflow.log_metrics(
-        {k: metrics[k] for k in ("images_per_sec", "total_time_s", "top1", "top5", "best_top1")}
-    )
+    keys = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1")
+    reached = ("epochs_to_target", "time_to_target_s") if metrics["epochs_to_target"] else ()
+    mlflow.log_metrics({k: metrics[k] for k in keys + reached})
+    mlflow.set_tag("target_reached", str(bool(reached)).lower())
     mlflow.log_artifact(str(files.run_dir / "metrics.json"))
     mlflow.end_run()
     return metrics

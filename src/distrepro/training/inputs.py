@@ -43,8 +43,10 @@ def parse(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return features["image/encoded"], tf.cast(features["image/class/label"], tf.int32) - 1
 
 
-def random_crop(encoded: tf.Tensor, size: int, min_area: float, flip: bool) -> tf.Tensor:
-    """Random-resized crop (decoding only the crop), then an optional flip."""
+def random_crop(encoded: tf.Tensor, size: int, min_area: float, flip: bool, seed: int) -> tf.Tensor:
+    """Random-resized crop (decoding only the crop), then an optional flip.
+    The op seed (never 0, which TensorFlow's op determinism refuses) and the
+    global seed together fix the sequence of crops."""
     shape = tf.image.extract_jpeg_shape(encoded)
     begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
         shape,
@@ -54,11 +56,12 @@ def random_crop(encoded: tf.Tensor, size: int, min_area: float, flip: bool) -> t
         area_range=(min_area, 1.0),
         max_attempts=10,
         use_image_if_no_bounding_boxes=True,
+        seed=seed + 1,
     )
     window = tf.stack([begin[0], begin[1], crop_size[0], crop_size[1]])
     image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
     image = tf.image.resize(image, [size, size])
-    return tf.image.random_flip_left_right(image) if flip else image
+    return tf.image.random_flip_left_right(image, seed=seed + 1) if flip else image
 
 
 def center_crop(encoded: tf.Tensor, size: int) -> tf.Tensor:
@@ -92,7 +95,11 @@ def make_dataset(
         encoded, label = parse(record)
         if training:
             image = random_crop(
-                encoded, data_cfg.image_size, data_cfg.min_crop_area, data_cfg.random_flip
+                encoded,
+                data_cfg.image_size,
+                data_cfg.min_crop_area,
+                data_cfg.random_flip,
+                seed + index,
             )
         else:
             image = center_crop(encoded, data_cfg.image_size)
