@@ -16,6 +16,8 @@ from distrepro.stats import (
     time_to_target,
 )
 
+FASTER, SLOWER = "is {} faster than", "is {} slower than"
+
 
 def test_mean_interval_is_students_t():
     interval = mean_interval([1.0, 2.0, 3.0])
@@ -38,17 +40,19 @@ def test_a_ratio_whose_interval_excludes_one_says_which_way():
     ratio = ratio_interval([110.0, 111.0, 109.0, 110.5], [100.0, 101.0, 99.0, 100.5])
     assert 1 < ratio.low < ratio.estimate < ratio.high
     assert ratio.estimate == pytest.approx(1.0995, abs=1e-3)
-    sentence = ratio_sentence("horovod", "parameter_server", ratio, "faster", "slower", "img/s")
+    sentence = ratio_sentence("horovod", "parameter_server", ratio, "img/s", FASTER, SLOWER)
     assert sentence.startswith("horovod is 10 % faster than parameter_server (95 % CI ")
     slower = ratio_interval([100.0, 101.0, 99.0, 100.5], [110.0, 111.0, 109.0, 110.5])
     assert slower.high < 1
-    assert "9 % slower" in ratio_sentence("horovod", "ps", slower, "faster", "slower", "img/s")
+    assert "horovod is 9 % slower than ps" in ratio_sentence(
+        "horovod", "ps", slower, "img/s", FASTER, SLOWER
+    )
 
 
 def test_a_ratio_whose_interval_holds_one_is_no_resolvable_difference():
     ratio = ratio_interval([100.0, 120.0, 80.0], [100.0, 110.0, 90.0])
     assert ratio.low < 1 < ratio.high
-    sentence = ratio_sentence("horovod", "ps", ratio, "faster", "slower", "img/s")
+    sentence = ratio_sentence("horovod", "ps", ratio, "img/s", FASTER, SLOWER)
     assert sentence.startswith("No difference in img/s the runs can resolve")
 
 
@@ -59,6 +63,14 @@ def test_a_difference_of_top1_in_points():
     same = difference_interval([0.75, 0.76, 0.74], [0.755, 0.745, 0.75])
     assert same.low < 0 < same.high
     assert difference_sentence("horovod", "ps", same, "best top-1").startswith("No difference")
+
+
+def test_a_time_ratio_reads_as_time():
+    ratio = ratio_interval([115.0, 116.0, 114.0], [100.0, 101.0, 99.0])
+    sentence = ratio_sentence(
+        "horovod", "ps", ratio, "total time", "takes {} longer than", "takes {} less time than"
+    )
+    assert sentence.startswith("horovod takes 15 % longer than ps (95 % CI ")
 
 
 def test_identical_runs_give_an_exact_ratio():

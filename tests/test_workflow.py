@@ -125,7 +125,8 @@ def test_two_point_sweep_with_two_seeds_nests_seeds_under_points_under_one_paren
 
 
 def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
-    dry = run(["snakemake", "-n", "--config", "experiment=aws_blog_8gpu"], REPO).stdout
+    config = ["experiment=aws_blog_8gpu", "seeds=1"]  # the seed's protocol: one run each
+    dry = run(["snakemake", "-n", "--config", *config], REPO).stdout
     assert "horovodrun -np 8 -H localhost:8 --mpi" in dry
     assert "1 ps + 8 workers + 1 coordinator" in dry
     assert dry.count("8 GPUs, 1 per worker") == 2  # both training jobs
@@ -133,6 +134,23 @@ def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
     assert len(evaluate_resources) == 2 and all("gpus=1" in r for r in evaluate_resources)
     assert "1024 train / 128 validation shards" in dry
     assert dry.count("90 epochs, global batch 2048, mixed_fp16") == 2
+
+
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        (["seeds=0"], "0 is not valid"),
+        (["seeds=0,-1"], "'0,-1' is not valid"),
+        (["overrides=train.target_top1=1.5"], "train.target_top1=1.5 must be in (0, 1]"),
+        (["overrides=train.target_top1=0"], "train.target_top1=0.0 must be in (0, 1]"),
+    ],
+)
+def test_bad_seeds_and_targets_are_refused_before_any_job(config, named):
+    dry = subprocess.run(
+        ["snakemake", "-n", "--config", *config], cwd=REPO, capture_output=True, text=True
+    )
+    assert dry.returncode != 0 and named in dry.stdout + dry.stderr
+    assert "rule train" not in dry.stdout
 
 
 def test_workflow_lint_is_clean():

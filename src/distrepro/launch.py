@@ -26,6 +26,15 @@ class ConfigError(ValueError):
 
 
 def validate(cfg: DictConfig) -> None:
+    validate_values(cfg)
+    validate_devices(cfg.strategy)
+    validate_data(cfg)
+
+
+def validate_values(cfg: DictConfig) -> None:
+    """Refuse values that cannot train. The workflow checks every run's before
+    any job starts (on the machine that will run them: not the devices; before
+    the data is prepared: not the data)."""
     train, strategy = cfg.train, cfg.strategy
     if train.epochs < 1:
         raise ConfigError(f"train.epochs={train.epochs} must be at least 1")
@@ -46,10 +55,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
     if strategy.elastic:
         validate_elastic(strategy)
-    validate_devices(strategy)
     scale = cfg.precision.loss_scale
     if scale != "dynamic" and not (is_number(scale) and float(scale) > 0):
         raise ConfigError(f"precision.loss_scale={scale!r} must be 'dynamic' or a positive number")
+
+
+def validate_data(cfg: DictConfig) -> None:
     tfrecord_dir = Path(cfg.data.tfrecord_dir)
     if not (tfrecord_dir / "metadata.json").is_file():
         where = f"data={cfg.data.name} data.tfrecord_dir={tfrecord_dir}"

@@ -68,7 +68,10 @@ def cell(group: list[dict], key: str, form: str) -> str:
     interval = stats.mean_interval(found)
     text = form.format(interval.estimate)
     if interval.resolved:
-        text += f" ({form.format(interval.low)} to {form.format(interval.high)})"
+        low, high = interval.low, interval.high
+        if form.endswith("%}"):  # a fraction: the interval stops at 0 and 1
+            low, high = max(low, 0.0), min(high, 1.0)
+        text += f" ({form.format(low)} to {form.format(high)})"
     if len(found) < len(group):
         text += f", {len(found)} of {len(group)} reached"
     return text
@@ -114,45 +117,33 @@ def comparable(a: dict, b: dict) -> bool:
     return all(a[k] == b[k] for k in keys)
 
 
+RATIOS = (  # key, what, how Horovod is when its ratio is above 1, below 1
+    ("images_per_sec", "img/s", "is {} faster than", "is {} slower than"),
+    ("total_time_s", "total time", "takes {} longer than", "takes {} less time than"),
+)
+
+
 def compare(a_name: str, a: list[dict], b_name: str, b: list[dict]) -> list[str]:
+    """What the runs support on each measure, a against b, one sentence each."""
     a_short, b_short = a[0]["strategy"], b[0]["strategy"]
     sentences = [
         stats.ratio_sentence(
-            a_short,
-            b_short,
-            stats.ratio_interval(values(a, "images_per_sec"), values(b, "images_per_sec")),
-            "faster",
-            "slower",
-            "img/s",
-        ),
-        stats.ratio_sentence(
-            a_short,
-            b_short,
-            stats.ratio_interval(values(a, "total_time_s"), values(b, "total_time_s")),
-            "longer",
-            "shorter",
-            "total time",
-        ),
-        stats.difference_sentence(
-            a_short,
-            b_short,
-            stats.difference_interval(values(a, "best_top1"), values(b, "best_top1")),
-            "best top-1",
-        ),
-    ]
-    reached_a, reached_b = values(a, "time_to_target_s"), values(b, "time_to_target_s")
-    target = a[0]["target_top1"]
-    if reached_a and reached_b:
-        ratio = stats.ratio_interval(reached_a, reached_b)
-        sentences.append(
-            stats.ratio_sentence(
-                a_short, b_short, ratio, "longer", "shorter", f"time to top-1 {target:.0%}"
-            )
+            a_short, b_short, stats.ratio_interval(values(a, key), values(b, key)), *words
         )
+        for key, *words in RATIOS
+    ]
+    top1 = stats.difference_interval(values(a, "best_top1"), values(b, "best_top1"))
+    sentences.append(stats.difference_sentence(a_short, b_short, top1, "best top-1"))
+    reached_a, reached_b = values(a, "time_to_target_s"), values(b, "time_to_target_s")
+    to_target = f"time to top-1 {a[0]['target_top1']:.0%}"
+    if len(reached_a) == len(a) and len(reached_b) == len(b):
+        ratio = stats.ratio_interval(reached_a, reached_b)
+        words = ("takes {} longer than", "takes {} less time than")
+        sentences.append(stats.ratio_sentence(a_short, b_short, ratio, to_target, *words))
     else:
         sentences.append(
-            f"Time to top-1 {target:.0%}: reached by {len(reached_a)} of {len(a)} {a_short} "
-            f"runs and {len(reached_b)} of {len(b)} {b_short} runs; no ratio."
+            f"The {to_target} was reached by {len(reached_a)} of {len(a)} {a_short} runs and "
+            f"{len(reached_b)} of {len(b)} {b_short} runs: no ratio."
         )
     return [f"{a_name} against {b_name}: " + " ".join(sentences)]
 

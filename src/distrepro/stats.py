@@ -62,8 +62,9 @@ def difference_interval(a: list[float], b: list[float]) -> Interval:
     return Interval(difference, *welch(a, b))
 
 
-def ratio_sentence(a: str, b: str, ratio: Interval, more: str, less: str, what: str) -> str:
-    """E.g. "Horovod is 4 % faster than parameter_server (95 % CI 1 to 7 %)."."""
+def ratio_sentence(a: str, b: str, ratio: Interval, what: str, more: str, less: str) -> str:
+    """E.g. "horovod is 4 % faster than ps (95 % CI 1 to 7 %).": `more` and
+    `less` say how a is when the ratio is above or below 1."""
     if not ratio.resolved:
         return f"{a}/{b} {what}: {ratio.estimate:.2f}x from single runs: no interval."
     if ratio.low > 1:
@@ -77,7 +78,7 @@ def ratio_sentence(a: str, b: str, ratio: Interval, more: str, less: str, what: 
         )
     change = abs(ratio.estimate - 1)
     return (
-        f"{a} is {100 * change:.0f} % {word} than {b} "
+        f"{a} {word.format(f'{100 * change:.0f} %')} {b} "
         f"(95 % CI {100 * low:.0f} to {100 * high:.0f} %)."
     )
 

@@ -3,9 +3,10 @@ import itertools
 import shlex
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from snakemake.exceptions import WorkflowError
 
 from distrepro.config import compose_many, run_name, setting_name
-from distrepro.launch import describe
+from distrepro.launch import ConfigError, describe, validate_values
 
 STRATEGIES = ["parameter_server", "horovod"]
 SEEDS = (
@@ -55,6 +56,11 @@ CONFIGS = compose_many(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES)
 RUNS = {
     run_name(c): (o, c) for o, c in zip(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES, CONFIGS)
 }
+for overrides, cfg in zip(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES, CONFIGS):
+    try:
+        validate_values(cfg)
+    except ConfigError as error:
+        raise WorkflowError(f"{error} (overrides: {shlex.join(overrides)})") from None
 REPRODUCE_RUNS = [run_name(c) for c in CONFIGS[: len(REPRODUCE_OVERRIDES)]]
 SWEEP_RUNS = [run_name(c) for c in CONFIGS[len(REPRODUCE_OVERRIDES) :]]
 EXPERIMENT = CONFIGS[0].mlflow_experiment
