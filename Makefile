@@ -16,6 +16,7 @@ test: setup
 	pytest
 
 ui:
+	@echo "runs table: $$(python -m distrepro.tracking url distrepro http://127.0.0.1:5000)"
 	mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
 # After editing requirements*.in (needs uv: `make setup` installs it in .venv).

@@ -173,6 +173,7 @@ def rendered_text(url: str, profile) -> str:
         "--disable-background-networking",
         "--disable-component-update",
         "--disable-sync",
+        "--window-size=2400,1200",  # the runs table draws only the columns in view
         f"--user-data-dir={profile}",
         "--virtual-time-budget=30000",
         "--dump-dom",
@@ -211,13 +212,17 @@ def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_pa
         (experiment,) = [
             e for e in client(reproduced).search_experiments() if e.name == "distrepro"
         ]
+        assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
         # Seeds (and a sweep's settings) are folded under their parents.
         runs = [r for r in runs_of(reproduced) if "mlflow.parentRunId" not in r.data.tags]
-        listing = rendered_text(
-            f"{base}/#/experiments/{experiment.experiment_id}/runs", tmp_path / "a"
-        )
+        link = run(["python", "-m", "distrepro.tracking", "url", "distrepro", base], reproduced)
+        listing = rendered_text(link.stdout.strip(), tmp_path / "a")
         for r in runs:
             assert r.info.run_name in listing
+        digest = runs[0].inputs.dataset_inputs[0].dataset.digest
+        assert f"digits ({digest})" in listing  # the Dataset column, with DVC's hash
+        for column in ("Dataset", "images_per_sec", "top1", "best_top1", "eval_top1"):
+            assert f" {column} " in listing, column
         trained = next(r for r in runs_of(reproduced) if "eval_top1" in r.data.metrics)
         run_page = rendered_text(
             f"{base}/#/experiments/{experiment.experiment_id}/runs/{trained.info.run_id}",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import platform
 import subprocess
+import zlib
 from importlib import metadata
 from pathlib import Path
 
@@ -16,6 +18,21 @@ from omegaconf import OmegaConf
 from distrepro.config import flatten, setting_name
 
 REPO = Path(__file__).resolve().parents[2]
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+# The MLflow UI's shared view of the runs table (?viewStateShareKey=runs): these columns.
+RUNS_VIEW_TAG = "mlflow.sharedViewState.runs"
+RUNS_VIEW_COLUMNS = [
+    "attributes.`Dataset`",
+    "params.`strategy.name`",
+    "tags.`seed`",
+    "metrics.`images_per_sec`",
+    "metrics.`top1`",
+    "metrics.`best_top1`",
+    "metrics.`time_to_target_s`",
+    "metrics.`eval_top1`",
+]
+RUNS_VIEW_PATH = "#/experiments/{id}/runs?workflowType=machine_learning&viewStateShareKey=runs"
+SYSTEM_METRICS_INTERVAL_S = 5
 PACKAGES = ("tensorflow", "tf_keras", "horovod", "mlflow", "snakemake", "dvc", "hydra-core")
 
 
@@ -24,10 +41,24 @@ def tracking_uri() -> str:
 
 
 def ensure_experiment(name: str) -> str:
-    """Create the store and the experiment (one upstream step avoids SQLite races)."""
+    """Create the store and the experiment (one upstream step avoids SQLite
+    races), a model-training one: MLflow 3's UI opens it on its runs table."""
     mlflow.set_tracking_uri(tracking_uri())
     experiment = mlflow.get_experiment_by_name(name)
-    return experiment.experiment_id if experiment else mlflow.create_experiment(name)
+    tags = {EXPERIMENT_KIND: MODEL_TRAINING, RUNS_VIEW_TAG: runs_view()}
+    if experiment is None:
+        return mlflow.create_experiment(name, tags=tags)
+    for key, value in tags.items():
+        if experiment.tags.get(key) != value:
+            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, key, value)
+    return experiment.experiment_id
+
+
+def runs_view() -> str:
+    """The runs table's columns as the MLflow UI stores a shared view: JSON,
+    zlib-deflated, base64, prefixed "deflate;"."""
+    state = json.dumps({"selectedColumns": RUNS_VIEW_COLUMNS})
+    return "deflate;" + base64.b64encode(zlib.compress(state.encode())).decode()
 
 
 def git_commit() -> str:
@@ -65,8 +96,10 @@ def start_run(plain_cfg: dict, run_dir: Path, extra_params: dict) -> str:
     """Start the run, or resume it when run_dir already names one."""
     id_file = run_dir / "mlflow_run_id"
     experiment_id = ensure_experiment(plain_cfg["mlflow_experiment"])
+    mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
     if id_file.exists():
-        return mlflow.start_run(run_id=id_file.read_text().strip()).info.run_id
+        run_id = id_file.read_text().strip()
+        return mlflow.start_run(run_id=run_id, log_system_metrics=True).info.run_id
     tags = {
         "strategy": plain_cfg["strategy"]["name"],
         "git_commit": git_commit(),
@@ -79,14 +112,38 @@ def start_run(plain_cfg: dict, run_dir: Path, extra_params: dict) -> str:
     parent = plain_cfg.get("mlflow_parent_run_id")
     if parent:
         tags["mlflow.parentRunId"] = parent
-    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_dir.name, tags=tags)
+    run = mlflow.start_run(
+        experiment_id=experiment_id, run_name=run_dir.name, tags=tags, log_system_metrics=True
+    )
     mlflow.log_params({**flatten(plain_cfg), **extra_params})
+    log_dataset(plain_cfg["data"], [run.info.run_id, parent])
     mlflow.log_artifact(str(run_dir / "config.yaml"))
     id_file.write_text(run.info.run_id)
     restarts = run_dir / "restarts.json"
     if restarts.exists():
         log_restarts(run_dir, json.loads(restarts.read_text()))
     return run.info.run_id
+
+
+def log_dataset(data_cfg: dict, run_ids: list[str | None]) -> None:
+    """The TFRecords as the training input of the runs (a run and its parent,
+    which the UI shows folded): the UI's Dataset column. Name, DVC's hash as
+    digest, the folder as source."""
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    folder = str(Path(data_cfg["tfrecord_dir"]).resolve())
+    dataset = MetaDataset(
+        LocalArtifactDatasetSource(folder),
+        name=data_cfg["name"],
+        digest=dvc_hash(data_cfg["tfrecord_dir"]),
+    )
+    used = DatasetInput(dataset._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, "training")])
+    client = mlflow.MlflowClient()
+    for run_id in filter(None, run_ids):
+        client.log_inputs(run_id, datasets=[used])
 
 
 def log_restarts(run_dir: Path, causes: list[str]) -> None:
@@ -115,16 +172,19 @@ def start_parent(experiment: str, kind: str, name: str, parent_run_id: str = "")
 
 def main(argv: list[str]) -> None:
     """`init EXPERIMENT OUT` creates the store and experiment; `parent KIND
-    EXPERIMENT NAME OUT [PARENT_RUN_ID]` creates a parent run. OUT receives the id."""
+    EXPERIMENT NAME OUT [PARENT_RUN_ID]` creates a parent run (OUT receives the
+    id); `url EXPERIMENT UI` prints the UI's link to the experiment's runs table."""
     if argv[:1] == ["init"] and len(argv) == 3:
         Path(argv[2]).write_text(ensure_experiment(argv[1]) + "\n")
+    elif argv[:1] == ["url"] and len(argv) == 3:
+        print(argv[2].rstrip("/") + "/" + RUNS_VIEW_PATH.format(id=ensure_experiment(argv[1])))
     elif argv[:1] == ["parent"] and len(argv) in (5, 6) and argv[1] in ("sweep", "setting"):
         kind, experiment, name, out, *parent = argv[1:]
         Path(out).write_text(start_parent(experiment, kind, name, *parent) + "\n")
     else:
         raise SystemExit(
             "usage: python -m distrepro.tracking init EXPERIMENT OUT | "
-            "parent sweep|setting EXPERIMENT NAME OUT [PARENT_RUN_ID]"
+            "parent sweep|setting EXPERIMENT NAME OUT [PARENT_RUN_ID] | url EXPERIMENT UI"
         )
 
 
