@@ -1,5 +1,6 @@
 # snakemake --cores all reproduce   (the default target)
 # snakemake --cores all sweep --config sweep="train.global_batch_size=32,64,128"
+# snakemake --cores all scaling --config workers="1,2,4"
 # Values come from Hydra (conf/); --config experiment=NAME overrides="k=v k=v".
 from snakemake.utils import min_version, validate
 
@@ -25,3 +26,8 @@ rule reproduce:
 rule sweep:
     input:
         sweep_report(),
+
+
+rule scaling:
+    input:
+        scaling_report,

@@ -13,6 +13,7 @@ from distrepro.stats import (
     mean_interval,
     ratio_interval,
     ratio_sentence,
+    scaling_efficiency,
     time_to_target,
 )
 
@@ -93,3 +94,13 @@ def test_time_to_target_on_a_history_that_does_not():
         "epochs_to_target": None,
         "time_to_target_s": None,
     }
+
+
+def test_scaling_efficiency_on_known_numbers():
+    # 1 worker: 100 img/s; 4 workers: 300 img/s -> 300 / (4 x 100) = 0.75
+    single = scaling_efficiency([300.0], 4, [100.0])
+    assert single.estimate == pytest.approx(0.75) and not single.resolved
+    # from 2 workers at 180 to 4 at 300: 300 / (2 x 180)
+    assert scaling_efficiency([300.0], 4, [180.0], 2).estimate == pytest.approx(300 / 360)
+    seeds = scaling_efficiency([290.0, 300.0, 310.0], 4, [98.0, 100.0, 102.0])
+    assert seeds.low < seeds.estimate < seeds.high and seeds.estimate == pytest.approx(0.75, 0.01)

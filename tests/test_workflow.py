@@ -124,6 +124,59 @@ def test_two_point_sweep_with_two_seeds_nests_seeds_under_points_under_one_paren
         image.load()
 
 
+def test_two_point_scaling_reports_efficiency_from_the_runs_own_rates(reproduced):
+    config = [
+        "workers=1,2",
+        "seeds=1",
+        "overrides=train.epochs=1 train.steps_per_epoch=12",
+    ]
+    run(["snakemake", "--cores", "2", "scaling", "--config", *config], reproduced, timeout=1800)
+    (report_dir,) = reproduced.glob("results/scaling/*/report")
+    report = (report_dir / "report.md").read_text()
+    runs = [json.loads(p.read_text()) for p in reproduced.glob("results/runs/*/metrics.json")]
+    for strategy in ("parameter_server", "horovod"):
+        rate = {
+            r["num_workers"]: r["images_per_sec"]
+            for r in runs
+            if r["strategy"] == strategy
+            and r["epochs"] == 1
+            and r["global_batch_size"] == 32 * r["num_workers"]
+        }
+        assert sorted(rate) == [1, 2]
+        efficiency = rate[2] / (2 * rate[1])
+        assert (
+            f"| {strategy} | 2 | 64 | {rate[2]:.1f} | {2 * rate[1]:.1f} | {efficiency:.2f} |"
+            in report
+        )
+    assert "The runs had" in report and "cores" in report
+    with Image.open(report_dir / "scaling.png") as image:
+        image.load()
+    (parent,) = [r for r in runs_of(reproduced) if "scaling" in r.data.tags]
+    settings = runs_of(reproduced, **{"mlflow.parentRunId": parent.info.run_id})
+    assert len(settings) == 4 and all("setting" in r.data.tags for r in settings)
+
+
+def test_scaling_refuses_a_zero_count_before_any_job():
+    dry = subprocess.run(
+        ["snakemake", "-n", "scaling", "--config", "workers=0,2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert dry.returncode != 0
+    assert "workers=0,2: a worker count must be at least 1" in dry.stdout + dry.stderr
+
+
+def test_aws_blog_8gpu_scaling_dry_run_is_the_seeds_curve():
+    config = ["experiment=aws_blog_8gpu", "workers=1,2,4,8", "seeds=1"]
+    dry = run(["snakemake", "-n", "scaling", "--config", *config], REPO).stdout
+    for workers in (1, 2, 4, 8):
+        batch = 256 * workers
+        assert f"horovodrun -np {workers} -H localhost:{workers} --mpi" in dry
+        assert f"1 ps + {workers} workers + 1 coordinator" in dry
+        assert dry.count(f"global batch {batch}, mixed_fp16") == 2
+
+
 def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
     config = ["experiment=aws_blog_8gpu", "seeds=1"]  # the seed's protocol: one run each
     dry = run(["snakemake", "-n", "--config", *config], REPO).stdout

@@ -34,6 +34,7 @@ MEASURES = (  # metrics.json key, column, format
     ("time_to_target_s", "time to target (s)", "{:.1f}"),
 )
 COLUMNS = ("setting", "seeds", *(column for _, column, _ in MEASURES))
+SCALING_COLUMNS = ("strategy", "workers", "global batch", "img/s", "ideal img/s", "efficiency")
 ASYNCHRONOUS = (
     "Parameter-server training is asynchronous: the order in which the workers' "
     "updates reach the variables depends on timing, so its runs differ even with "
@@ -212,13 +213,74 @@ def plot_against_batch(groups: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def by_workers(groups: dict[str, list[dict]]) -> dict[str, list[list[dict]]]:
+    """Each strategy's settings in order of workers, when they span several
+    counts at one batch per worker (a scaling); else nothing."""
+    curves = {}
+    for strategy in sorted({g[0]["strategy"] for g in groups.values()}):
+        mine = sorted(
+            (g for g in groups.values() if g[0]["strategy"] == strategy),
+            key=lambda g: g[0]["num_workers"],
+        )
+        per_worker = {g[0]["global_batch_size"] // g[0]["num_workers"] for g in mine}
+        if len({g[0]["num_workers"] for g in mine}) > 1 and len(per_worker) == 1:
+            curves[strategy] = mine
+    return curves
+
+
+def scaling_rows(curves: dict[str, list[list[dict]]]) -> list[list[str]]:
+    """img/s at each count against linear scaling from the smallest count."""
+    rows = []
+    for strategy, settings_ in curves.items():
+        base = settings_[0]
+        base_rates, base_workers = values(base, "images_per_sec"), base[0]["num_workers"]
+        for group in settings_:
+            workers = group[0]["num_workers"]
+            rates = values(group, "images_per_sec")
+            ideal = workers / base_workers * float(np.mean(base_rates))
+            efficiency = stats.scaling_efficiency(rates, workers, base_rates, base_workers)
+            text = f"{efficiency.estimate:.2f}"
+            if efficiency.resolved:
+                text += f" ({efficiency.low:.2f} to {efficiency.high:.2f})"
+            rows.append(
+                [
+                    strategy,
+                    str(workers),
+                    str(group[0]["global_batch_size"]),
+                    cell(group, "images_per_sec", "{:.1f}"),
+                    f"{ideal:.1f}",
+                    text,
+                ]
+            )
+    return rows
+
+
+def plot_scaling(curves: dict[str, list[list[dict]]], path: Path) -> None:
+    """img/s against workers per strategy (95 % intervals), and the ideal line."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for color, (strategy, settings_) in zip(itertools.cycle(plt.cm.tab10.colors), curves.items()):
+        workers = [g[0]["num_workers"] for g in settings_]
+        intervals = [stats.mean_interval(values(g, "images_per_sec")) for g in settings_]
+        means = [i.estimate for i in intervals]
+        errors = [i.high - i.estimate if i.resolved else 0.0 for i in intervals]
+        ax.errorbar(workers, means, yerr=errors, marker="o", capsize=3, color=color, label=strategy)
+        ideal = [n / workers[0] * means[0] for n in workers]
+        ax.plot(workers, ideal, linestyle="--", color=color, label=f"{strategy}, linear")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("images/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def markdown_table(rows: list[list[str]], columns: tuple[str, ...] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def html_table(rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{c}</th>" for c in COLUMNS)
+def html_table(rows: list[list[str]], columns: tuple[str, ...] = COLUMNS) -> str:
+    head = "".join(f"<th>{c}</th>" for c in columns)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows
     )
@@ -254,7 +316,11 @@ def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
         plots[2],
         target,
     )
-    if len({r["global_batch_size"] for r in runs}) > 1:
+    curves = by_workers(groups)
+    if curves:
+        plots.append(out_dir / "scaling.png")
+        plot_scaling(curves, plots[-1])
+    elif len({r["global_batch_size"] for r in runs}) > 1:
         plots.append(out_dir / "batch_size.png")
         plot_against_batch(groups, plots[-1])
     ours = (
@@ -262,16 +328,22 @@ def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
         f"{runs[0]['epochs']} epochs, target top-1 {target:.0%}, on {platform.machine()} CPU; "
         "mean over the seeds, 95 % confidence interval in brackets"
     )
-    sections = [
-        ("This project's runs", ours, table_rows(groups)),
-        ("The seed experiment (single runs)", SEED["setting"], seed_rows()),
-    ]
+    sections = [("This project's runs", ours, table_rows(groups), COLUMNS)]
+    if curves:
+        cores = runs[0].get("cores", "?")
+        scaling = (
+            f"Weak scaling: the batch per worker fixed, efficiency = img/s(N) / (N/N0 x "
+            f"img/s(N0)) from the smallest count N0 (1 is linear). The runs had {cores} "
+            f"cores: worker counts above that share them."
+        )
+        sections.append(("Scaling", scaling, scaling_rows(curves), SCALING_COLUMNS))
+    sections.append(("The seed experiment (single runs)", SEED["setting"], seed_rows(), COLUMNS))
     findings = verdicts(groups) + [ASYNCHRONOUS]
     md = ["# Parameter server vs Horovod\n"]
     page = ["<html><body><h1>Parameter server vs Horovod</h1>"]
-    for title, setting, rows in sections:
-        md += [f"## {title}\n", f"{setting}\n", markdown_table(rows), ""]
-        page += [f"<h2>{title}</h2><p>{html.escape(setting)}</p>", html_table(rows)]
+    for title, setting, rows, columns in sections:
+        md += [f"## {title}\n", f"{setting}\n", markdown_table(rows, columns), ""]
+        page += [f"<h2>{title}</h2><p>{html.escape(setting)}</p>", html_table(rows, columns)]
     md += ["## What the runs support\n", *(f"- {f}" for f in findings), ""]
     page += ["<h2>What the runs support</h2><ul>"]
     page += [f"<li>{html.escape(f)}</li>" for f in findings] + ["</ul>"]

@@ -110,3 +110,12 @@ def time_to_target(history: list[dict], target: float) -> dict:
         if record["val_top1"] >= target:
             return {"epochs_to_target": record["epoch"], "time_to_target_s": elapsed}
     return {"epochs_to_target": None, "time_to_target_s": None}
+
+
+def scaling_efficiency(
+    rates: list[float], workers: int, base_rates: list[float], base_workers: int = 1
+) -> Interval:
+    """img/s(N) / (N/N0 x img/s(N0)) with its interval: 1 is linear scaling."""
+    ratio = ratio_interval(rates, base_rates)
+    factor = workers / base_workers
+    return Interval(ratio.estimate / factor, ratio.low / factor, ratio.high / factor)

@@ -20,6 +20,7 @@ from distrepro.config import flatten, setting_name
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 # The MLflow UI's shared view of the runs table (?viewStateShareKey=runs): these columns.
+PARENT_KINDS = ("sweep", "scaling", "setting")
 RUNS_VIEW_TAG = "mlflow.sharedViewState.runs"
 RUNS_VIEW_COLUMNS = [
     "attributes.`Dataset`",
@@ -160,8 +161,8 @@ def log_restarts(run_dir: Path, causes: list[str]) -> None:
 
 
 def start_parent(experiment: str, kind: str, name: str, parent_run_id: str = "") -> str:
-    """An MLflow run that runs are children of: a sweep's settings, or a
-    setting's seeds (kind "sweep" or "setting", tagged kind=name)."""
+    """An MLflow run that runs are children of: a sweep's or a scaling's
+    settings, or a setting's seeds (tagged kind=name)."""
     experiment_id = ensure_experiment(experiment)
     client = mlflow.MlflowClient()
     tags = {kind: name} | ({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})
@@ -178,13 +179,13 @@ def main(argv: list[str]) -> None:
         Path(argv[2]).write_text(ensure_experiment(argv[1]) + "\n")
     elif argv[:1] == ["url"] and len(argv) == 3:
         print(argv[2].rstrip("/") + "/" + RUNS_VIEW_PATH.format(id=ensure_experiment(argv[1])))
-    elif argv[:1] == ["parent"] and len(argv) in (5, 6) and argv[1] in ("sweep", "setting"):
+    elif argv[:1] == ["parent"] and len(argv) in (5, 6) and argv[1] in PARENT_KINDS:
         kind, experiment, name, out, *parent = argv[1:]
         Path(out).write_text(start_parent(experiment, kind, name, *parent) + "\n")
     else:
         raise SystemExit(
             "usage: python -m distrepro.tracking init EXPERIMENT OUT | "
-            "parent sweep|setting EXPERIMENT NAME OUT [PARENT_RUN_ID] | url EXPERIMENT UI"
+            "parent sweep|scaling|setting EXPERIMENT NAME OUT [PARENT_RUN_ID] | url EXPERIMENT UI"
         )
 
 

@@ -1,11 +1,12 @@
 import hashlib
 import itertools
 import shlex
+from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from snakemake.exceptions import WorkflowError
 
-from distrepro.config import compose_many, run_name, setting_name
+from distrepro.config import compose_config, compose_many, run_name, setting_name
 from distrepro.launch import ConfigError, describe, validate_values
 
 STRATEGIES = ["parameter_server", "horovod"]
@@ -19,6 +20,10 @@ SEEDS = (
 def base_overrides():
     experiment = [f"experiment={config['experiment']}"] if config["experiment"] else []
     return experiment + shlex.split(config["overrides"])
+
+
+def group_id(*parts):
+    return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:8]
 
 
 def sweep_points():
@@ -38,31 +43,71 @@ def sweep_points():
         axes.append([f"strategy={s}" for s in STRATEGIES])
     if "seed" not in named:
         axes.append([f"seed={s}" for s in SEEDS])
-    return [list(point) for point in itertools.product(*axes)]
+    return [base_overrides() + list(point) for point in itertools.product(*axes)]
 
 
-SWEEP_ID = hashlib.sha256((config["overrides"] + config["sweep"]).encode()).hexdigest()[
-    :8
-]
-REPRODUCE_OVERRIDES = [
-    base_overrides() + [f"strategy={strategy}", f"seed={seed}"]
-    for strategy in STRATEGIES
-    for seed in SEEDS
-]
-SWEEP_OVERRIDES = (
-    [base_overrides() + p for p in sweep_points()] if config["sweep"] else []
+def scaling_points():
+    """Each strategy at each worker count of `workers`, the batch per worker
+    fixed at the configured one (weak scaling), every seed."""
+    counts = [int(n) for n in config["workers"].split(",")]
+    if min(counts) < 1:
+        raise WorkflowError(
+            f"workers={config['workers']}: a worker count must be at least 1"
+        )
+    points = []
+    for strategy in STRATEGIES:
+        base = compose_config(base_overrides() + [f"strategy={strategy}"])
+        per_worker, rest = divmod(
+            base.train.global_batch_size, base.strategy.num_workers
+        )
+        if rest:
+            raise WorkflowError(
+                f"train.global_batch_size={base.train.global_batch_size} does not divide by "
+                f"strategy.num_workers={base.strategy.num_workers}: no batch per worker to keep"
+            )
+        for workers, seed in itertools.product(counts, SEEDS):
+            points.append(
+                base_overrides()
+                + [
+                    f"strategy={strategy}",
+                    f"strategy.num_workers={workers}",
+                    f"train.global_batch_size={per_worker * workers}",
+                    f"seed={seed}",
+                ]
+            )
+    return points
+
+
+SWEEP_ID = group_id(config["experiment"], config["overrides"], config["sweep"], SEEDS)
+SCALING_ID = group_id(
+    config["experiment"], config["overrides"], config["workers"], SEEDS
 )
-CONFIGS = compose_many(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES)
-RUNS = {
-    run_name(c): (o, c) for o, c in zip(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES, CONFIGS)
+# The runs of each group, by the results/ folder of its report. A run in
+# several groups (a scaling point that reproduce has too) is trained once,
+# under the parent of the first.
+GROUPS = {
+    "reproduce": [
+        base_overrides() + [f"strategy={strategy}", f"seed={seed}"]
+        for strategy in STRATEGIES
+        for seed in SEEDS
+    ],
+    f"sweeps/{SWEEP_ID}": sweep_points() if config["sweep"] else [],
+    f"scaling/{SCALING_ID}": scaling_points() if config["workers"] else [],
 }
-for overrides, cfg in zip(REPRODUCE_OVERRIDES + SWEEP_OVERRIDES, CONFIGS):
+ALL_OVERRIDES = [o for group in GROUPS.values() for o in group]
+CONFIGS = compose_many(ALL_OVERRIDES)
+for overrides, cfg in zip(ALL_OVERRIDES, CONFIGS):
     try:
         validate_values(cfg)
     except ConfigError as error:
         raise WorkflowError(f"{error} (overrides: {shlex.join(overrides)})") from None
-REPRODUCE_RUNS = [run_name(c) for c in CONFIGS[: len(REPRODUCE_OVERRIDES)]]
-SWEEP_RUNS = [run_name(c) for c in CONFIGS[len(REPRODUCE_OVERRIDES) :]]
+RUNS = {}  # run -> (overrides, config), the first group's overrides for a shared run
+for overrides, cfg in zip(ALL_OVERRIDES, CONFIGS):
+    RUNS.setdefault(run_name(cfg), (overrides, cfg))
+GROUP_RUNS = {}
+for scope, group in GROUPS.items():
+    start = sum(len(runs) for runs in GROUP_RUNS.values())
+    GROUP_RUNS[scope] = [run_name(c) for c in CONFIGS[start : start + len(group)]]
 EXPERIMENT = CONFIGS[0].mlflow_experiment
 
 
@@ -89,21 +134,28 @@ def train_inputs(wildcards):
 
 
 def setting_parent_file(wildcards):
-    """The MLflow parent of a setting's seeds; a sweep's settings are its children."""
-    scope = f"sweeps/{SWEEP_ID}" if wildcards.run in SWEEP_RUNS else "reproduce"
-    return (
-        f"results/{scope}/settings/{setting_name(run_config(wildcards))}/parent_run_id"
-    )
+    """The MLflow parent of a setting's seeds; a sweep's or a scaling's settings
+    are children of its own parent."""
+    scope = next(s for s, runs in GROUP_RUNS.items() if wildcards.run in runs)
+    setting = setting_name(run_config(wildcards))
+    return f"results/{scope}/settings/{setting}/parent_run_id"
 
 
 def setting_parent_inputs(wildcards):
-    if wildcards.scope == "reproduce":
-        return ["results/mlflow/experiment_id"]
-    return ["results/mlflow/experiment_id", sweep_parent_file()]
+    inputs = ["results/mlflow/experiment_id"]
+    if wildcards.scope != "reproduce":
+        inputs.append(f"results/{wildcards.scope}/parent_run_id")
+    return inputs
 
 
 def outer_parent(wildcards):
-    return "" if wildcards.scope == "reproduce" else f"$(cat {sweep_parent_file()})"
+    if wildcards.scope == "reproduce":
+        return ""
+    return f"$(cat results/{wildcards.scope}/parent_run_id)"
+
+
+def group_kind(wildcards):
+    return {"sweeps": "sweep", "scaling": "scaling"}[wildcards.kind]
 
 
 def plan_of(wildcards):
@@ -128,16 +180,22 @@ def shards_of(wildcards):
     return f"{data.train_shards} train / {data.val_shards} validation shards"
 
 
-def sweep_parent_file():
-    return f"results/sweeps/{SWEEP_ID}/parent_run_id"
-
-
 def sweep_report():
     return f"results/sweeps/{SWEEP_ID}/report/report.md"
 
 
+def scaling_report(wildcards):
+    if not config["workers"]:
+        raise WorkflowError(
+            "the scaling target needs worker counts: --config workers=1,2,4"
+        )
+    return f"results/scaling/{SCALING_ID}/report/report.md"
+
+
 def report_runs(wildcards):
-    return SWEEP_RUNS if wildcards.reportdir.startswith("sweeps/") else REPRODUCE_RUNS
+    """results/report is reproduce's; results/<group>/report a group's."""
+    scope = str(Path(wildcards.reportdir).parent)
+    return GROUP_RUNS["reproduce" if scope == "." else scope]
 
 
 def report_inputs(wildcards):

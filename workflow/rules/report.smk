@@ -20,7 +20,7 @@ rule report:
     benchmark:
         "results/benchmarks/report/{reportdir}.tsv"
     wildcard_constraints:
-        reportdir="report|sweeps/[0-9a-f]+/report",
+        reportdir="report|(sweeps|scaling)/[0-9a-f]+/report",
     conda:
         "../../environment.yml"
     params:

@@ -25,21 +25,25 @@ rule train:
         "python -m distrepro.launch {params.overrides} > {log} 2>&1"
 
 
-rule sweep_parent:
+rule group_parent:
     input:
         "results/mlflow/experiment_id",
     output:
-        "results/sweeps/{sweep}/parent_run_id",
+        "results/{kind}/{id}/parent_run_id",
     log:
-        "logs/sweep_parent/{sweep}.log",
+        "logs/group_parent/{kind}/{id}.log",
     benchmark:
-        "results/benchmarks/sweep_parent/{sweep}.tsv"
+        "results/benchmarks/group_parent/{kind}/{id}.tsv"
+    wildcard_constraints:
+        kind="sweeps|scaling",
+        id="[0-9a-f]+",
     conda:
         "../../environment.yml"
     params:
         experiment=EXPERIMENT,
+        kind=group_kind,
     shell:
-        "python -m distrepro.tracking parent sweep {params.experiment} sweep-{wildcards.sweep} {output} > {log} 2>&1"
+        "python -m distrepro.tracking parent {params.kind} {params.experiment} {params.kind}-{wildcards.id} {output} > {log} 2>&1"
 
 
 rule setting_parent:
@@ -52,7 +56,7 @@ rule setting_parent:
     benchmark:
         "results/benchmarks/setting_parent/{scope}/{setting}.tsv"
     wildcard_constraints:
-        scope="reproduce|sweeps/[0-9a-f]+",
+        scope="reproduce|(sweeps|scaling)/[0-9a-f]+",
     conda:
         "../../environment.yml"
     params:

@@ -208,6 +208,7 @@ class RunFiles:
             "top5": history[-1]["val_top5"],
             "best_top1": max(h["val_top1"] for h in history),
             "seed": cfg.seed,
+            "cores": os.cpu_count(),
             "setting": setting_name(cfg),
             "target_top1": cfg.train.target_top1,
             **time_to_target(history, cfg.train.target_top1),
