@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -465,3 +467,32 @@ def test_one_deterministic_rank_repeats_a_seed_exactly_and_not_another(
     first = losses("first", 0)
     assert losses("again", 0) == first
     assert losses("other", 1) != first
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "parameter_server"])
+def test_a_progress_bar_on_a_terminal_and_plain_lines_in_logs(
+    digits_tfrecords, tmp_path, mlflow_uri, strategy
+):
+    overrides = [f"strategy={strategy}", "train.epochs=1", "train.steps_per_epoch=20"]
+    command = shlex.join(launch_args(digits_tfrecords, tmp_path / "tty", *overrides))
+    typescript = tmp_path / "typescript"  # `script` runs the launcher on a pseudo-terminal
+    subprocess.run(
+        ["script", "-qec", command, str(typescript)],
+        check=True,
+        timeout=600,
+        stdout=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    screen = typescript.read_text(errors="replace").replace("\r", "\n")
+    assert re.search(r"epoch 1/1: +100%.*20/20 .*step/s, loss [\d.]+, \d+ img/s", screen)
+    assert re.search(r"epoch 1/1  loss [\d.]+ ", screen)
+    logged = subprocess.run(
+        launch_args(digits_tfrecords, tmp_path / "log", *overrides),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert re.search(r"epoch 1/1  loss [\d.]+ ", logged.stdout)
+    assert "step/s" not in logged.stdout + logged.stderr

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from distrepro.devices import host_gpus
 
 # Written by a training process whose data is damaged: restarting cannot help.
 DAMAGED_DATA = "damaged_data.txt"
+# The launcher's terminal, where the chief draws its progress bar.
+TERMINAL = "DISTREPRO_TERMINAL"
 
 
 class TrainingFailed(RuntimeError):
@@ -52,6 +55,8 @@ class Restarts:
 def process_env(cfg: DictConfig) -> dict[str, str]:
     """What every training process of cfg gets in its environment."""
     env = {"GRPC_FAIL_FAST": "use_caller"}
+    if sys.stdout.isatty():
+        env[TERMINAL] = os.ttyname(sys.stdout.fileno())
     if cfg.train.xla:
         # XLA auto-clustering of the training step, in every process that runs it.
         env["TF_XLA_FLAGS"] = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit"

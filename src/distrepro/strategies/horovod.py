@@ -203,7 +203,7 @@ def rank_main(config_path: str) -> None:
 
     warmup = min(cfg.train.warmup_steps_excluded, updates - 1)
 
-    def train(progress: core.Progress, commit_every: int | None = None) -> list[dict]:
+    def train(progress: core.Progress, stride: int | None = None) -> list[dict]:
         return core.train_loop(
             cfg,
             trainer,
@@ -215,7 +215,7 @@ def rank_main(config_path: str) -> None:
             warmup,
             hvd.size,
             progress,
-            commit_every,
+            stride or core.progress_stride(updates),
         )
 
     if cfg.strategy.elastic:

@@ -195,6 +195,7 @@ def coordinator_main(config_path: str) -> None:
         updates,
         min(warmup, updates - steps_per_call),
         lambda: cfg.strategy.num_workers,
+        stride=core.progress_stride(updates, steps_per_call),
     )
     core.finish(cfg, files, history, run_id)
 

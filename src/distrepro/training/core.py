@@ -17,7 +17,7 @@ import tf_keras as keras
 
 from distrepro.atomic import write_json_atomically
 from distrepro.config import setting_name
-from distrepro.processes import DAMAGED_DATA
+from distrepro.processes import DAMAGED_DATA, TERMINAL
 from distrepro.stats import time_to_target
 
 POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
@@ -242,27 +242,35 @@ def train_loop(
     warmup: int,
     workers: Callable[[], int],
     progress: Progress | None = None,
-    commit_every: int | None = None,
+    stride: int | None = None,
 ) -> list[dict]:
     """Epochs from `progress` (by default the last checkpoint) on, committing it
-    every `commit_every` updates and at each epoch's end; the chief logs each
-    epoch to MLflow and prints it. The first `warmup` updates of each epoch are
-    left out of images/s; `workers` says how many took part."""
+    every `stride` updates, after the warmup and at each epoch's end; the chief
+    shows a progress bar on the launcher's terminal, logs each epoch to MLflow
+    and prints it. The first `warmup` updates of each epoch are left out of
+    images/s; `workers` says how many took part."""
     progress = progress or Progress(files.restore())
-    stops = sorted(
-        {warmup, updates_per_epoch, *range(0, updates_per_epoch, commit_every or updates_per_epoch)}
-    )
+    strides = range(0, updates_per_epoch, stride or updates_per_epoch)
+    stops = sorted({warmup, updates_per_epoch, *strides})
     with naming_damaged_data(cfg, files.run_dir):
         while len(progress.history) < cfg.train.epochs:
             if progress.batch == 0:
                 trainer.reset_metrics()
                 progress.started = progress.timed_from = time.time()
+            bar = epoch_bar(cfg, files, len(progress.history) + 1, updates_per_epoch)
             for stop in (s for s in stops if s > progress.batch):
                 run_updates(stop - progress.batch)
                 progress.batch = stop
                 if stop == warmup:
                     progress.timed_from = time.time()
                 progress.commit()
+                if bar:
+                    rate = stop * images_per_update / (time.time() - progress.started)
+                    loss = float(trainer.train_loss.result())
+                    bar.set_postfix_str(f"loss {loss:.3f}, {rate:.0f} img/s", refresh=False)
+                    bar.update(stop - bar.n)
+            if bar:
+                bar.close()
             end = time.time()
             correct = count_correct().numpy()
             images_per_sec = (
@@ -276,6 +284,35 @@ def train_loop(
             end_epoch(cfg, files, progress.history)
             progress.commit()
     return progress.history
+
+
+def terminal() -> str | None:
+    """The launcher's terminal, when it has one (see processes.process_env)."""
+    return os.environ.get(TERMINAL)
+
+
+def progress_stride(updates_per_epoch: int, multiple: int = 1) -> int | None:
+    """Updates between progress-bar updates (a multiple of `multiple`): about
+    a hundredth of the epoch; None when there is no terminal to draw on."""
+    if terminal() is None:
+        return None
+    return multiple * max(1, updates_per_epoch // (100 * multiple))
+
+
+def epoch_bar(cfg, files: RunFiles, epoch: int, updates_per_epoch: int):
+    """The chief's bar for one epoch, drawn on the launcher's terminal: the
+    training processes' own output goes through pipes (horovodrun's prefixes)."""
+    if not (files.is_chief and terminal()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=updates_per_epoch,
+        desc=f"epoch {epoch}/{cfg.train.epochs}",
+        unit="step",
+        file=open(terminal(), "w"),  # noqa: SIM115 (tqdm keeps it until close)
+        leave=False,
+    )
 
 
 def epoch_record(epoch: int, trainer: Trainer, correct, images_per_sec, epoch_time_s) -> dict:
