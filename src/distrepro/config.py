@@ -102,6 +102,8 @@ class TrainConfig:
     max_restarts: int = 3
     target_top1: float = 0.97
     deterministic: bool = False
+    profile: bool = False
+    profile_steps: list[int] = field(default_factory=lambda: [10, 15])
 
 
 @dataclass

@@ -42,6 +42,8 @@ def validate_values(cfg: DictConfig) -> None:
         raise ConfigError(f"seed={cfg.seed} must be at least 0")
     if not 0 < train.target_top1 <= 1:
         raise ConfigError(f"train.target_top1={train.target_top1} must be in (0, 1]")
+    if train.profile:
+        validate_profile_window(train, train.steps_per_epoch)
     if train.max_restarts < 0:
         raise ConfigError(f"train.max_restarts={train.max_restarts} must be at least 0")
     if strategy.num_workers < 1:
@@ -60,7 +62,19 @@ def validate_values(cfg: DictConfig) -> None:
         raise ConfigError(f"precision.loss_scale={scale!r} must be 'dynamic' or a positive number")
 
 
+def validate_profile_window(train: DictConfig, updates_per_epoch: int | None) -> None:
+    window = list(train.profile_steps)
+    if len(window) == 2 and 0 <= window[0] < window[1] <= (updates_per_epoch or window[1]):
+        return
+    raise ConfigError(
+        f"train.profile_steps={window} must be a window [first, last) of the epoch's "
+        f"{updates_per_epoch or 'N'} updates"
+    )
+
+
 def validate_data(cfg: DictConfig) -> None:
+    """Refuse a data.tfrecord_dir without finished TFRecords, and a profiled
+    window beyond the epoch they make."""
     tfrecord_dir = Path(cfg.data.tfrecord_dir)
     if not (tfrecord_dir / "metadata.json").is_file():
         where = f"data={cfg.data.name} data.tfrecord_dir={tfrecord_dir}"
@@ -74,6 +88,12 @@ def validate_data(cfg: DictConfig) -> None:
             f"data.tfrecord_dir={str(tfrecord_dir)!r} holds no finished TFRecords "
             f"(metadata.json is missing): run `python -m distrepro.prepare {where}`"
         )
+    if cfg.train.profile and not cfg.train.steps_per_epoch:
+        images = json.loads((tfrecord_dir / "metadata.json").read_text())["splits"]["train"]
+        batch = cfg.train.global_batch_size
+        if cfg.strategy.name.value == "parameter_server":  # a worker's batch is an update
+            batch //= cfg.strategy.num_workers
+        validate_profile_window(cfg.train, max(1, images["images"] // batch))
 
 
 def validate_elastic(strategy: DictConfig) -> None:

@@ -57,6 +57,8 @@ def process_env(cfg: DictConfig) -> dict[str, str]:
     env = {"GRPC_FAIL_FAST": "use_caller"}
     if sys.stdout.isatty():
         env[TERMINAL] = os.ttyname(sys.stdout.fileno())
+    if cfg.train.profile:
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # hvd.start_timeline() records the window
     if cfg.train.xla:
         # XLA auto-clustering of the training step, in every process that runs it.
         env["TF_XLA_FLAGS"] = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit"

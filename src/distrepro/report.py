@@ -34,6 +34,7 @@ MEASURES = (  # metrics.json key, column, format
     ("time_to_target_s", "time to target (s)", "{:.1f}"),
 )
 COLUMNS = ("setting", "seeds", *(column for _, column, _ in MEASURES))
+PROFILE_COLUMNS = ("run", "profiled updates", "allreduce", "negotiation")
 SCALING_COLUMNS = ("strategy", "workers", "global batch", "img/s", "ideal img/s", "efficiency")
 ASYNCHRONOUS = (
     "Parameter-server training is asynchronous: the order in which the workers' "
@@ -274,6 +275,22 @@ def plot_scaling(curves: dict[str, list[list[dict]]], path: Path) -> None:
     plt.close(fig)
 
 
+def profile_rows(runs: list[dict]) -> list[list[str]]:
+    """Per profiled run, the shares of its traced window in which gradients were
+    being allreduced and in which they were negotiated (waiting for every rank)."""
+    rows = []
+    for run in runs:
+        if not run.get("profile_steps"):
+            continue
+        window = "{} to {}".format(*run["profile_steps"])
+        if "allreduce_share" in run:
+            shares = [f"{run['allreduce_share']:.0%}", f"{run['negotiate_share']:.0%}"]
+        else:  # the coordinator's trace shows closures, not the workers' waits
+            shares = ["not measured", "not measured"]
+        rows.append([run["run_name"], window, *shares])
+    return rows
+
+
 def markdown_table(rows: list[list[str]], columns: tuple[str, ...] = COLUMNS) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -337,6 +354,14 @@ def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
             f"cores: worker counts above that share them."
         )
         sections.append(("Scaling", scaling, scaling_rows(curves), SCALING_COLUMNS))
+    if profiled := profile_rows(runs):
+        where = (
+            "Share of each profiled window (train.profile_steps of the first epoch) in which "
+            "some gradient was being allreduced, or negotiated, from Horovod's timeline; both "
+            "overlap the backward pass. Traces: MLflow artifacts profile/ of each run "
+            "(TensorFlow's profiler on the chief; Horovod's timeline)."
+        )
+        sections.append(("Where the time goes", where, profiled, PROFILE_COLUMNS))
     sections.append(("The seed experiment (single runs)", SEED["setting"], seed_rows(), COLUMNS))
     findings = verdicts(groups) + [ASYNCHRONOUS]
     md = ["# Parameter server vs Horovod\n"]

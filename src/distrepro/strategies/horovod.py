@@ -202,6 +202,10 @@ def rank_main(config_path: str) -> None:
             tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
 
     warmup = min(cfg.train.warmup_steps_excluded, updates - 1)
+    profile = None
+    if cfg.train.profile:
+        timeline = str(run_dir / core.PROFILE_DIR / core.HOROVOD_TIMELINE)
+        profile = core.Profile(cfg, files, lambda: hvd.start_timeline(timeline), hvd.stop_timeline)
 
     def train(progress: core.Progress, stride: int | None = None) -> list[dict]:
         return core.train_loop(
@@ -216,6 +220,7 @@ def rank_main(config_path: str) -> None:
             hvd.size,
             progress,
             stride or core.progress_stride(updates),
+            profile,
         )
 
     if cfg.strategy.elastic:

@@ -196,6 +196,7 @@ def coordinator_main(config_path: str) -> None:
         min(warmup, updates - steps_per_call),
         lambda: cfg.strategy.num_workers,
         stride=core.progress_stride(updates, steps_per_call),
+        profile=core.Profile(cfg, files) if cfg.train.profile else None,
     )
     core.finish(cfg, files, history, run_id)
 

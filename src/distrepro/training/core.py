@@ -19,6 +19,7 @@ from distrepro.atomic import write_json_atomically
 from distrepro.config import setting_name
 from distrepro.processes import DAMAGED_DATA, TERMINAL
 from distrepro.stats import time_to_target
+from distrepro.traces import PHASES, exchange_shares
 
 POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
 STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
@@ -209,6 +210,7 @@ class RunFiles:
             "best_top1": max(h["val_top1"] for h in history),
             "seed": cfg.seed,
             "cores": os.cpu_count(),
+            "profile_steps": list(cfg.train.profile_steps) if cfg.train.profile else None,
             "setting": setting_name(cfg),
             "target_top1": cfg.train.target_top1,
             **time_to_target(history, cfg.train.target_top1),
@@ -216,8 +218,41 @@ class RunFiles:
             "mlflow_run_id": mlflow_run_id,
             "history": history,
         }
+        timeline = self.run_dir / PROFILE_DIR / HOROVOD_TIMELINE
+        if timeline.exists():
+            metrics |= exchange_shares(timeline)
         write_json_atomically(self.run_dir / "metrics.json", metrics)
         return metrics
+
+
+PROFILE_DIR = "profile"
+HOROVOD_TIMELINE = "horovod_timeline.json"  # of the profiled window, beside TensorFlow's trace
+
+
+class Profile:
+    """Traces updates [first, last) (train.profile_steps) of the first epoch
+    this process trains: TensorFlow's profiler on the chief, into
+    run_dir/profile/tensorflow, and what the strategy adds (Horovod's timeline)."""
+
+    def __init__(self, cfg, files: RunFiles, start=lambda: None, stop=lambda: None):
+        self.first, self.last = cfg.train.profile_steps
+        self.folder = files.run_dir / PROFILE_DIR
+        self.is_chief, self.start_extra, self.stop_extra = files.is_chief, start, stop
+        self.state = "waiting"
+        self.folder.mkdir(exist_ok=True)
+
+    def at(self, update: int) -> None:
+        """Called after `update` updates of an epoch."""
+        if self.state == "waiting" and update == self.first:
+            if self.is_chief:
+                tf.profiler.experimental.start(str(self.folder / "tensorflow"))
+            self.start_extra()
+            self.state = "tracing"
+        elif self.state == "tracing" and update == self.last:
+            if self.is_chief:
+                tf.profiler.experimental.stop()
+            self.stop_extra()
+            self.state = "done"
 
 
 class Progress:
@@ -243,15 +278,17 @@ def train_loop(
     workers: Callable[[], int],
     progress: Progress | None = None,
     stride: int | None = None,
+    profile: Profile | None = None,
 ) -> list[dict]:
     """Epochs from `progress` (by default the last checkpoint) on, committing it
     every `stride` updates, after the warmup and at each epoch's end; the chief
     shows a progress bar on the launcher's terminal, logs each epoch to MLflow
     and prints it. The first `warmup` updates of each epoch are left out of
-    images/s; `workers` says how many took part."""
+    images/s; `workers` says how many took part; `profile` traces a window."""
     progress = progress or Progress(files.restore())
     strides = range(0, updates_per_epoch, stride or updates_per_epoch)
-    stops = sorted({warmup, updates_per_epoch, *strides})
+    window = (profile.first, profile.last) if profile else ()
+    stops = sorted({warmup, updates_per_epoch, *strides, *window})
     with naming_damaged_data(cfg, files.run_dir):
         while len(progress.history) < cfg.train.epochs:
             if progress.batch == 0:
@@ -263,6 +300,8 @@ def train_loop(
                 progress.batch = stop
                 if stop == warmup:
                     progress.timed_from = time.time()
+                if profile:
+                    profile.at(stop)
                 progress.commit()
                 if bar:
                     rate = stop * images_per_update / (time.time() - progress.started)
@@ -376,9 +415,11 @@ def finish(cfg, files: RunFiles, history: list[dict], run_id: str) -> dict:
     import mlflow
 
     metrics = files.write_metrics(cfg, history, run_id)
-    keys = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1")
+    keys = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1", *PHASES.values())
     reached = ("epochs_to_target", "time_to_target_s") if metrics["epochs_to_target"] else ()
-    mlflow.log_metrics({k: metrics[k] for k in keys + reached})
+    mlflow.log_metrics({k: metrics[k] for k in keys + reached if k in metrics})
+    if (files.run_dir / PROFILE_DIR).is_dir():
+        mlflow.log_artifacts(str(files.run_dir / PROFILE_DIR), PROFILE_DIR)
     mlflow.set_tag("target_reached", str(bool(reached)).lower())
     mlflow.log_artifact(str(files.run_dir / "metrics.json"))
     mlflow.end_run()

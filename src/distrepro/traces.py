@@ -1,0 +1,50 @@
+"""Where a profiled window's time went, read from Horovod's timeline (Chrome
+trace events, one "process" per tensor): the share of the window in which any
+tensor was being allreduced, and in which any was still being negotiated
+(waiting until every rank has produced it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PHASES = {"ALLREDUCE": "allreduce_share", "NEGOTIATE_ALLREDUCE": "negotiate_share"}
+
+
+def read_timeline(path: Path) -> list[dict]:
+    """The events; Horovod leaves the JSON array open when it stops recording."""
+    text = path.read_text().rstrip().rstrip(",")
+    return json.loads(text if text.endswith("]") else text + "]")
+
+
+def phase_intervals(events: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Each tensor's top-level phases as (begin, end) in microseconds."""
+    intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in PHASES}
+    open_events: dict[int, list[dict]] = {}
+    for event in events:
+        stack = open_events.setdefault(event.get("pid", -1), [])
+        if event.get("ph") == "B":
+            stack.append(event)
+        elif event.get("ph") == "E" and stack:
+            begin = stack.pop()
+            if not stack and begin["name"] in intervals:
+                intervals[begin["name"]].append((begin["ts"], event["ts"]))
+    return intervals
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of intervals."""
+    total, reach = 0.0, float("-inf")
+    for begin, end in sorted(intervals):
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total
+
+
+def exchange_shares(path: Path) -> dict[str, float]:
+    """{"allreduce_share": s, "negotiate_share": s} of the timeline's window."""
+    events = [e for e in read_timeline(path) if "ts" in e]
+    window = max(e["ts"] for e in events) - min(e["ts"] for e in events)
+    intervals = phase_intervals(events)
+    return {share: covered(intervals[phase]) / window for phase, share in PHASES.items()}
