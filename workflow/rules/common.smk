@@ -83,16 +83,18 @@ SCALING_ID = group_id(
     config["experiment"], config["overrides"], config["workers"], SEEDS
 )
 # The runs of each group, by the results/ folder of its report. A run in
-# several groups (a scaling point that reproduce has too) is trained once,
-# under the parent of the first.
+# several groups (with --config sweep or workers, reproduce's runs may be
+# points too) is trained once, under the MLflow parent of the first group:
+# the one the user asked for by giving its config. (Started again under
+# another, a finished run is left as it is.)
 GROUPS = {
+    f"sweeps/{SWEEP_ID}": sweep_points() if config["sweep"] else [],
+    f"scaling/{SCALING_ID}": scaling_points() if config["workers"] else [],
     "reproduce": [
         base_overrides() + [f"strategy={strategy}", f"seed={seed}"]
         for strategy in STRATEGIES
         for seed in SEEDS
     ],
-    f"sweeps/{SWEEP_ID}": sweep_points() if config["sweep"] else [],
-    f"scaling/{SCALING_ID}": scaling_points() if config["workers"] else [],
 }
 ALL_OVERRIDES = [o for group in GROUPS.values() for o in group]
 CONFIGS = compose_many(ALL_OVERRIDES)
@@ -108,7 +110,7 @@ GROUP_RUNS = {}
 for scope, group in GROUPS.items():
     start = sum(len(runs) for runs in GROUP_RUNS.values())
     GROUP_RUNS[scope] = [run_name(c) for c in CONFIGS[start : start + len(group)]]
-EXPERIMENT = CONFIGS[0].mlflow_experiment
+EXPERIMENT = CONFIGS[-1].mlflow_experiment
 
 
 def run_config(wildcards):
