@@ -35,9 +35,10 @@ LOCAL_NAMES = ("localhost", "127.0.0.1")
 def local_hosts(num_workers: int) -> list[tuple[str, int]]:
     """(host, slots) of an elastic run on this machine alone."""
     first = math.ceil(num_workers / 2)
-    return [(LOCAL_NAMES[0], first)] + (
-        [(LOCAL_NAMES[1], num_workers - first)] * (first < num_workers)
-    )
+    hosts = [(LOCAL_NAMES[0], first)]
+    if num_workers > first:
+        hosts.append((LOCAL_NAMES[1], num_workers - first))
+    return hosts
 
 
 def elastic_hosts(cfg: DictConfig) -> list[tuple[str, int]]:
@@ -123,7 +124,9 @@ class ElasticState(ObjectState):
 
 
 def gpu_index(cfg: DictConfig, local_rank: int) -> int:
-    """This rank's GPU on its host; the two names of a local elastic run share one."""
+    """This rank's GPU on its host; under a local elastic run's two names the
+    ranks number their GPUs from 0 under each, so the second name's come after
+    the first's."""
     if not cfg.strategy.elastic or cfg.strategy.hosts:
         return local_rank
     offset = 0

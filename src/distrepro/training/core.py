@@ -4,6 +4,7 @@ are distributed."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -338,6 +339,12 @@ def progress_stride(updates_per_epoch: int, multiple: int = 1) -> int | None:
     return multiple * max(1, updates_per_epoch // (100 * multiple))
 
 
+@functools.cache
+def terminal_file():
+    """The launcher's terminal, open for the whole process."""
+    return open(terminal(), "w")  # noqa: SIM115
+
+
 def epoch_bar(cfg, files: RunFiles, epoch: int, updates_per_epoch: int):
     """The chief's bar for one epoch, drawn on the launcher's terminal: the
     training processes' own output goes through pipes (horovodrun's prefixes)."""
@@ -349,7 +356,7 @@ def epoch_bar(cfg, files: RunFiles, epoch: int, updates_per_epoch: int):
         total=updates_per_epoch,
         desc=f"epoch {epoch}/{cfg.train.epochs}",
         unit="step",
-        file=open(terminal(), "w"),  # noqa: SIM115 (tqdm keeps it until close)
+        file=terminal_file(),
         leave=False,
     )
 
