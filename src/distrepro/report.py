@@ -48,11 +48,16 @@ def load_runs(run_dirs: list[str]) -> list[dict]:
 
 
 def settings(runs: list[dict]) -> dict[str, list[dict]]:
-    """Runs that differ only in their seed, under a readable label."""
+    """Runs that differ only in their seed, under a readable label (with the
+    setting's hash when the label alone would not tell two settings apart)."""
     groups: dict[str, list[dict]] = {}
     for run in runs:
         groups.setdefault(run["setting"], []).append(run)
-    return {label(group[0]): group for group in groups.values()}
+    labels = [label(group[0]) for group in groups.values()]
+    return {
+        name if labels.count(name) == 1 else f"{name} {setting[-8:]}": group
+        for name, (setting, group) in zip(labels, groups.items(), strict=True)
+    }
 
 
 def label(run: dict) -> str:
