@@ -8,7 +8,7 @@ restarts the job from its last checkpoint; elastic Horovod goes on with the
 rank left and takes the other back after its cool-down. Reports the wall time
 lost and both final top-1s.
 
-    python benchmarks/fault_benchmark.py [--epochs 5]
+    python benchmarks/fault_benchmark.py [--epochs 5] [--settings parameter_server ...]
 
 Needs data/tfrecords/digits (`dvc repro`).
 """
@@ -42,9 +42,10 @@ def is_victim(strategy: str, cmdline: list[str]) -> bool:
     return module.endswith("strategies.horovod")
 
 
-def victim(strategy: str) -> psutil.Process:
-    processes = psutil.process_iter(["cmdline"])
-    found = [p for p in processes if is_victim(strategy, p.info["cmdline"] or [])]
+def victim(strategy: str, launcher: subprocess.Popen) -> psutil.Process:
+    """Of the processes this launcher started, the one to kill."""
+    processes = psutil.Process(launcher.pid).children(recursive=True)
+    found = [p for p in processes if is_victim(strategy, p.cmdline())]
     return max(found, key=lambda p: p.pid)  # the newest: the last rank started
 
 
@@ -57,7 +58,7 @@ def run(setting: str, epochs: int, out: Path, kill: bool) -> dict:
             time.sleep(0.05)
         (history,) = out.glob("*/history.json")
         time.sleep(json.loads(history.read_text())[1]["epoch_time_s"] / 2)
-        victim(setting.removesuffix("_elastic")).kill()
+        victim(setting.removesuffix("_elastic"), proc).kill()
     if proc.wait() != 0:
         raise SystemExit(f"the {setting} run (kill={kill}) failed")
     (metrics,) = out.glob("*/metrics.json")
@@ -67,11 +68,12 @@ def run(setting: str, epochs: int, out: Path, kill: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS))
     args = parser.parse_args()
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
-        for setting in SETTINGS:
+        for setting in args.settings:
             clean = run(setting, args.epochs, Path(tmp) / f"{setting}-clean", kill=False)
             killed = run(setting, args.epochs, Path(tmp) / f"{setting}-killed", kill=True)
             result[setting] = {

@@ -501,18 +501,23 @@ def test_a_progress_bar_on_a_terminal_and_plain_lines_in_logs(
     assert "step/s" not in logged.stdout + logged.stderr
 
 
-def test_a_profiled_horovod_run_keeps_its_traces_and_system_metrics_in_mlflow(
-    digits_tfrecords, tmp_path, mlflow_uri
+@pytest.mark.parametrize("strategy", ["horovod", "parameter_server"])
+def test_a_profiled_run_keeps_its_traces_and_system_metrics_in_mlflow(
+    digits_tfrecords, tmp_path, mlflow_uri, strategy
 ):
-    overrides = ("train.epochs=1", "train.steps_per_epoch=20", "train.profile=true")
-    metrics = launch(digits_tfrecords, tmp_path / "runs", *overrides)
-    assert 0 < metrics["allreduce_share"] < 1 and 0 < metrics["negotiate_share"] < 1
+    overrides = ("train.epochs=1", "train.steps_per_epoch=30", "train.profile=true")
+    metrics = launch(digits_tfrecords, tmp_path / "runs", f"strategy={strategy}", *overrides)
     client = mlflow.MlflowClient(mlflow_uri)
     run_id = metrics["mlflow_run_id"]
     local = Path(client.download_artifacts(run_id, "profile", str(tmp_path / "artifacts")))
-    timeline = read_timeline(local / "horovod_timeline.json")
-    assert any(e.get("name") == "ALLREDUCE" for e in timeline)
-    (trace,) = local.glob("tensorflow/plugins/profile/*/*.xplane.pb")
+    (trace,) = local.glob("tensorflow/plugins/profile/*/*.xplane.pb")  # the chief's
     assert trace.stat().st_size > 0
+    if strategy == "horovod":
+        assert 0 < metrics["allreduce_share"] < 1 and 0 < metrics["negotiate_share"] < 1
+        timeline = read_timeline(local / "horovod_timeline.json")
+        assert any(e.get("name") == "ALLREDUCE" for e in timeline)
+    else:
+        assert 0 < metrics["ps_wait_share"] < 1
+        assert len(list(local.glob("workers/plugins/profile/*/*.xplane.pb"))) == 2
     assert client.get_metric_history(run_id, "system/cpu_utilization_percentage")
     assert client.get_metric_history(run_id, "system/system_memory_usage_megabytes")

@@ -90,10 +90,11 @@ def validate_data(cfg: DictConfig) -> None:
         )
     if cfg.train.profile and not cfg.train.steps_per_epoch:
         images = json.loads((tfrecord_dir / "metadata.json").read_text())["splits"]["train"]
-        batch = cfg.train.global_batch_size
+        batch, calls = cfg.train.global_batch_size, 1
         if cfg.strategy.name.value == "parameter_server":  # a worker's batch is an update
-            batch //= cfg.strategy.num_workers
-        validate_profile_window(cfg.train, max(1, images["images"] // batch))
+            batch, calls = batch // cfg.strategy.num_workers, cfg.strategy.steps_per_call
+        updates = max(calls, images["images"] // batch // calls * calls)
+        validate_profile_window(cfg.train, updates)
 
 
 def validate_elastic(strategy: DictConfig) -> None:

@@ -34,7 +34,7 @@ MEASURES = (  # metrics.json key, column, format
     ("time_to_target_s", "time to target (s)", "{:.1f}"),
 )
 COLUMNS = ("setting", "seeds", *(column for _, column, _ in MEASURES))
-PROFILE_COLUMNS = ("run", "profiled updates", "allreduce", "negotiation")
+PROFILE_COLUMNS = ("run", "profiled updates", "allreduce", "negotiation", "workers waiting")
 SCALING_COLUMNS = ("strategy", "workers", "global batch", "img/s", "ideal img/s", "efficiency")
 ASYNCHRONOUS = (
     "Parameter-server training is asynchronous: the order in which the workers' "
@@ -282,16 +282,15 @@ def plot_scaling(curves: dict[str, list[list[dict]]], path: Path) -> None:
 
 def profile_rows(runs: list[dict]) -> list[list[str]]:
     """Per profiled run, the shares of its traced window in which gradients were
-    being allreduced and in which they were negotiated (waiting for every rank)."""
+    being allreduced or negotiated (Horovod), or in which the workers ran no
+    kernel, waiting on the ps tasks (parameter server)."""
     rows = []
     for run in runs:
         if not run.get("profile_steps"):
             continue
         window = "{} to {}".format(*run["profile_steps"])
-        if "allreduce_share" in run:
-            shares = [f"{run['allreduce_share']:.0%}", f"{run['negotiate_share']:.0%}"]
-        else:  # the coordinator's trace shows closures, not the workers' waits
-            shares = ["not measured", "not measured"]
+        keys = ("allreduce_share", "negotiate_share", "ps_wait_share")
+        shares = [f"{run[k]:.0%}" if k in run else "-" for k in keys]
         rows.append([run["run_name"], window, *shares])
     return rows
 
@@ -361,10 +360,12 @@ def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
         sections.append(("Scaling", scaling, scaling_rows(curves), SCALING_COLUMNS))
     if profiled := profile_rows(runs):
         where = (
-            "Share of each profiled window (train.profile_steps of the first epoch) in which "
-            "some gradient was being allreduced, or negotiated, from Horovod's timeline; both "
-            "overlap the backward pass. Traces: MLflow artifacts profile/ of each run "
-            "(TensorFlow's profiler on the chief; Horovod's timeline)."
+            "Shares of each profiled window (train.profile_steps of the first epoch). "
+            "Horovod, from its timeline: some gradient being allreduced, or negotiated "
+            "(waiting for every rank); both overlap the backward pass. Parameter server, "
+            "from the workers' profiler traces: no compute kernel running on a worker, "
+            "that is, waiting for variables from the ps tasks (or for input or a core). "
+            "Traces: MLflow artifacts profile/ of each run."
         )
         sections.append(("Where the time goes", where, profiled, PROFILE_COLUMNS))
     sections.append(("The seed experiment (single runs)", SEED["setting"], seed_rows(), COLUMNS))

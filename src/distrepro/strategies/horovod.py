@@ -208,7 +208,8 @@ def rank_main(config_path: str) -> None:
     profile = None
     if cfg.train.profile:
         timeline = str(run_dir / core.PROFILE_DIR / core.HOROVOD_TIMELINE)
-        profile = core.Profile(cfg, files, lambda: hvd.start_timeline(timeline), hvd.stop_timeline)
+        start_timeline = lambda seconds: hvd.start_timeline(timeline)  # noqa: E731
+        profile = core.Profile(cfg, files, start_timeline, hvd.stop_timeline)
 
     def train(progress: core.Progress, stride: int | None = None) -> list[dict]:
         return core.train_loop(

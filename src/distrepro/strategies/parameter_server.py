@@ -121,6 +121,29 @@ def task_devices() -> str:
     return "; ".join(f"{task}: GPU {ids}" if ids else f"{task}: cpu" for task, ids in gpus.items())
 
 
+def worker_profile(cfg, files, steps_per_call: int):
+    """The profiled window (in whole calls): the coordinator's trace, and the
+    worker tasks', whose gRPC servers serve TensorFlow's profiler, for as long
+    as the window should take."""
+    import threading
+
+    import tensorflow as tf
+
+    from distrepro.training import core
+
+    workers = cluster_resolver().cluster_spec().job_tasks("worker")
+    addresses = ",".join(f"grpc://{address}" for address in workers)
+    folder = str(files.run_dir / core.PROFILE_DIR / core.WORKER_TRACES)
+    tracing = []
+
+    def start(seconds: float) -> None:
+        trace = (addresses, folder, max(100, int(1000 * seconds)))
+        tracing.append(threading.Thread(target=tf.profiler.experimental.client.trace, args=trace))
+        tracing[0].start()
+
+    return core.Profile(cfg, files, start, lambda: tracing[0].join(), steps_per_call)
+
+
 def coordinator_main(config_path: str) -> None:
     """The coordinator: builds the model on the ps tasks, schedules steps on the workers."""
     import tensorflow as tf
@@ -196,7 +219,7 @@ def coordinator_main(config_path: str) -> None:
         min(warmup, updates - steps_per_call),
         lambda: cfg.strategy.num_workers,
         stride=core.progress_stride(updates, steps_per_call),
-        profile=core.Profile(cfg, files) if cfg.train.profile else None,
+        profile=worker_profile(cfg, files, steps_per_call) if cfg.train.profile else None,
     )
     core.finish(cfg, files, history, run_id)
 

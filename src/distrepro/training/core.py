@@ -20,7 +20,7 @@ from distrepro.atomic import write_json_atomically
 from distrepro.config import setting_name
 from distrepro.processes import DAMAGED_DATA, TERMINAL
 from distrepro.stats import time_to_target
-from distrepro.traces import PHASES, exchange_shares
+from distrepro.traces import PHASES, exchange_shares, worker_wait_share
 
 POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
 STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
@@ -222,12 +222,16 @@ class RunFiles:
         timeline = self.run_dir / PROFILE_DIR / HOROVOD_TIMELINE
         if timeline.exists():
             metrics |= exchange_shares(timeline)
+        workers = sorted((self.run_dir / PROFILE_DIR).glob(f"{WORKER_TRACES}/**/*.xplane.pb"))
+        if workers:
+            metrics["ps_wait_share"] = sum(map(worker_wait_share, workers)) / len(workers)
         write_json_atomically(self.run_dir / "metrics.json", metrics)
         return metrics
 
 
 PROFILE_DIR = "profile"
 HOROVOD_TIMELINE = "horovod_timeline.json"  # of the profiled window, beside TensorFlow's trace
+WORKER_TRACES = "workers"  # the parameter-server workers' traces of the window
 
 
 class Profile:
@@ -235,19 +239,23 @@ class Profile:
     this process trains: TensorFlow's profiler on the chief, into
     run_dir/profile/tensorflow, and what the strategy adds (Horovod's timeline)."""
 
-    def __init__(self, cfg, files: RunFiles, start=lambda: None, stop=lambda: None):
-        self.first, self.last = cfg.train.profile_steps
+    def __init__(
+        self, cfg, files: RunFiles, start=lambda seconds: None, stop=lambda: None, multiple: int = 1
+    ):
+        first, last = cfg.train.profile_steps  # widened to whole calls of `multiple` updates
+        self.first, self.last = first // multiple * multiple, -(-last // multiple) * multiple
         self.folder = files.run_dir / PROFILE_DIR
         self.is_chief, self.start_extra, self.stop_extra = files.is_chief, start, stop
         self.state = "waiting"
         self.folder.mkdir(exist_ok=True)
 
-    def at(self, update: int) -> None:
-        """Called after `update` updates of an epoch."""
+    def at(self, update: int, seconds_per_update: float) -> None:
+        """Called after `update` updates of an epoch; the strategy's own trace
+        is told how long the window should take."""
         if self.state == "waiting" and update == self.first:
             if self.is_chief:
                 tf.profiler.experimental.start(str(self.folder / "tensorflow"))
-            self.start_extra()
+            self.start_extra((self.last - self.first) * seconds_per_update)
             self.state = "tracing"
         elif self.state == "tracing" and update == self.last:
             if self.is_chief:
@@ -302,7 +310,7 @@ def train_loop(
                 if stop == warmup:
                     progress.timed_from = time.time()
                 if profile:
-                    profile.at(stop)
+                    profile.at(stop, (time.time() - progress.started) / stop)
                 progress.commit()
                 if bar:
                     rate = stop * images_per_update / (time.time() - progress.started)
@@ -422,7 +430,8 @@ def finish(cfg, files: RunFiles, history: list[dict], run_id: str) -> dict:
     import mlflow
 
     metrics = files.write_metrics(cfg, history, run_id)
-    keys = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1", *PHASES.values())
+    keys = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1", "ps_wait_share")
+    keys += tuple(PHASES.values())
     reached = ("epochs_to_target", "time_to_target_s") if metrics["epochs_to_target"] else ()
     mlflow.log_metrics({k: metrics[k] for k in keys + reached if k in metrics})
     if (files.run_dir / PROFILE_DIR).is_dir():
