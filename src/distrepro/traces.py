@@ -51,23 +51,28 @@ def exchange_shares(path: Path) -> dict[str, float]:
 
 
 def worker_wait_share(xplane: Path) -> float:
-    """From a parameter-server worker's profiler trace of the window (the
-    coordinator keeps every worker busy with steps all through it): the share
-    of the traced time in which none of its compute threads ran a kernel
+    """From a parameter-server worker's profiler trace: the share of the time
+    its step functions ran in which none of its compute threads ran a kernel
     other than sending to the ps, that is, waited for variables to arrive
-    from the ps tasks (or for its input, or for a core)."""
+    from the ps tasks (or for its input, or for a core). nan when the trace
+    holds no whole step function."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
     space.ParseFromString(xplane.read_bytes())
-    (host,) = [plane for plane in space.planes if plane.name == "/host:CPU"]
-    events, kernels = [], []
-    for line in host.lines:
-        for event in line.events:
-            name = host.event_metadata[event.metadata_id].name
-            begin = line.timestamp_ns * 1000 + event.offset_ps
-            events.append((begin, begin + event.duration_ps))
-            if line.name.startswith("tf_Compute") and ":" in name and "_Send" not in name:
-                kernels.append(events[-1])
-    span = max(end for _, end in events) - min(begin for begin, _ in events)
-    return 1 - covered(kernels) / span
+    functions, kernels = [], []
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                begin = line.timestamp_ns * 1000 + event.offset_ps
+                interval = (begin, begin + event.duration_ps)
+                if name == "KernelAndDeviceFunc::Run":
+                    functions.append(interval)
+                elif line.name.startswith("tf_Compute") and ":" in name and "_Send" not in name:
+                    kernels.append(interval)
+    if not functions:
+        return float("nan")
+    first, last = min(b for b, _ in functions), max(e for _, e in functions)
+    inside = [(b, e) for b, e in kernels if first <= b and e <= last]
+    return max(0.0, 1 - covered(inside) / covered(functions))

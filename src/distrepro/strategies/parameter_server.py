@@ -136,9 +136,16 @@ def worker_profile(cfg, files, steps_per_call: int):
     folder = str(files.run_dir / core.PROFILE_DIR / core.WORKER_TRACES)
     tracing = []
 
+    def trace(milliseconds: int) -> None:
+        try:
+            tf.profiler.experimental.client.trace(addresses, folder, milliseconds)
+        except tf.errors.OpError as error:  # the run goes on without the workers' trace
+            print(f"profile: no trace of the workers: {error.message}", flush=True)
+
     def start(seconds: float) -> None:
-        trace = (addresses, folder, max(100, int(1000 * seconds)))
-        tracing.append(threading.Thread(target=tf.profiler.experimental.client.trace, args=trace))
+        # At least 2 s: a shorter trace may close before the workers' profilers answer.
+        milliseconds = max(2000, int(1000 * seconds))
+        tracing.append(threading.Thread(target=trace, args=(milliseconds,)))
         tracing[0].start()
 
     return core.Profile(cfg, files, start, lambda: tracing[0].join(), steps_per_call)

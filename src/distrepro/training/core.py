@@ -176,6 +176,7 @@ class RunFiles:
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=self.epoch)
         self.manager = tf.train.CheckpointManager(checkpoint, run_dir / "checkpoints", 2)
         self.history_path = run_dir / "history.json"
+        self.profiled: list[int] | None = None  # the updates a Profile traces
 
     def restore(self) -> list[dict]:
         """Restore the last checkpoint, if any; return the history up to it."""
@@ -211,7 +212,7 @@ class RunFiles:
             "best_top1": max(h["val_top1"] for h in history),
             "seed": cfg.seed,
             "cores": os.cpu_count(),
-            "profile_steps": list(cfg.train.profile_steps) if cfg.train.profile else None,
+            "profile_steps": self.profiled,
             "setting": setting_name(cfg),
             "target_top1": cfg.train.target_top1,
             **time_to_target(history, cfg.train.target_top1),
@@ -222,9 +223,10 @@ class RunFiles:
         timeline = self.run_dir / PROFILE_DIR / HOROVOD_TIMELINE
         if timeline.exists():
             metrics |= exchange_shares(timeline)
-        workers = sorted((self.run_dir / PROFILE_DIR).glob(f"{WORKER_TRACES}/**/*.xplane.pb"))
-        if workers:
-            metrics["ps_wait_share"] = sum(map(worker_wait_share, workers)) / len(workers)
+        traces = (self.run_dir / PROFILE_DIR).glob(f"{WORKER_TRACES}/**/*.xplane.pb")
+        shares = [s for s in map(worker_wait_share, traces) if not math.isnan(s)]
+        if shares:
+            metrics["ps_wait_share"] = sum(shares) / len(shares)
         write_json_atomically(self.run_dir / "metrics.json", metrics)
         return metrics
 
@@ -248,6 +250,7 @@ class Profile:
         self.is_chief, self.start_extra, self.stop_extra = files.is_chief, start, stop
         self.state = "waiting"
         self.folder.mkdir(exist_ok=True)
+        files.profiled = [self.first, self.last]
 
     def at(self, update: int, seconds_per_update: float) -> None:
         """Called after `update` updates of an epoch; the strategy's own trace
