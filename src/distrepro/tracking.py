@@ -19,8 +19,8 @@ from distrepro.config import flatten, setting_name
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
-# The MLflow UI's shared view of the runs table (?viewStateShareKey=runs): these columns.
 PARENT_KINDS = ("sweep", "scaling", "setting")
+# The MLflow UI's shared view of the runs table (?viewStateShareKey=runs): these columns.
 RUNS_VIEW_TAG = "mlflow.sharedViewState.runs"
 RUNS_VIEW_COLUMNS = [
     "attributes.`Dataset`",
@@ -43,7 +43,8 @@ def tracking_uri() -> str:
 
 def ensure_experiment(name: str) -> str:
     """Create the store and the experiment (one upstream step avoids SQLite
-    races), a model-training one: MLflow 3's UI opens it on its runs table."""
+    races): a model-training one, with the shared view of its runs table that
+    RUNS_VIEW_PATH opens."""
     mlflow.set_tracking_uri(tracking_uri())
     experiment = mlflow.get_experiment_by_name(name)
     tags = {EXPERIMENT_KIND: MODEL_TRAINING, RUNS_VIEW_TAG: runs_view()}
