@@ -143,8 +143,9 @@ def worker_profile(cfg, files, steps_per_call: int):
             print(f"profile: no trace of the workers: {error.message}", flush=True)
 
     def start(seconds: float) -> None:
-        # At least 2 s: a shorter trace may close before the workers' profilers answer.
-        milliseconds = max(2000, int(1000 * seconds))
+        # Three times the window, at least 2 s: the calls run ahead of the
+        # coordinator, and only those that start and end within the trace count.
+        milliseconds = max(2000, int(3000 * seconds))
         tracing.append(threading.Thread(target=trace, args=(milliseconds,)))
         tracing[0].start()
 
