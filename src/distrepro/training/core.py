@@ -273,6 +273,7 @@ class Progress:
 
     def __init__(self, history: list[dict]):
         self.history, self.batch, self.started, self.timed_from = history, 0, 0.0, 0.0
+        self.fewest_workers = 0  # in the current epoch so far
 
     def commit(self) -> None:
         """Nothing to keep: without elastic Horovod a failure restarts the run."""
@@ -296,7 +297,8 @@ def train_loop(
     every `stride` updates, after the warmup and at each epoch's end; the chief
     shows a progress bar on the launcher's terminal, logs each epoch to MLflow
     and prints it. The first `warmup` updates of each epoch are left out of
-    images/s; `workers` says how many took part; `profile` traces a window."""
+    images/s; `workers` says how many take part (the epoch records the fewest);
+    `profile` traces a window."""
     progress = progress or Progress(files.restore())
     strides = range(0, updates_per_epoch, stride or updates_per_epoch)
     window = (profile.first, profile.last) if profile else ()
@@ -306,10 +308,12 @@ def train_loop(
             if progress.batch == 0:
                 trainer.reset_metrics()
                 progress.started = progress.timed_from = time.time()
+                progress.fewest_workers = workers()
             bar = epoch_bar(cfg, files, len(progress.history) + 1, updates_per_epoch)
             for stop in (s for s in stops if s > progress.batch):
                 run_updates(stop - progress.batch)
                 progress.batch = stop
+                progress.fewest_workers = min(progress.fewest_workers, workers())
                 if stop == warmup:
                     progress.timed_from = time.time()
                 if profile:
@@ -330,7 +334,7 @@ def train_loop(
             record = epoch_record(
                 len(progress.history) + 1, trainer, correct, images_per_sec, end - progress.started
             )
-            progress.history = [*progress.history, record | {"workers": workers()}]
+            progress.history = [*progress.history, record | {"workers": progress.fewest_workers}]
             progress.batch = 0
             end_epoch(cfg, files, progress.history)
             progress.commit()
