@@ -325,6 +325,7 @@ def train_loop(
                     bar.set_postfix_str(f"loss {loss:.3f}, {rate:.0f} img/s", refresh=False)
                     bar.update(stop - bar.n)
             if bar:
+                bar.refresh()  # update() skips draws within tqdm's mininterval, maybe the last
                 bar.close()
             end = time.time()
             correct = count_correct().numpy()
