@@ -78,6 +78,14 @@ need make make
 need chromium chromium
 need mpirun openmpi-bin
 need mpicxx libopenmpi-dev
+# Two hosts in network namespaces and a one-node SLURM cluster (the several-nodes tests)
+need ip iproute2
+need ssh openssh-client
+need sshd openssh-server
+need munged munge
+need slurmctld slurmctld
+need slurmd slurmd
+need sbatch slurm-client
 "$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' ||
   missing+=(python3-dev)
 if [ "${#missing[@]}" -gt 0 ]; then

@@ -37,14 +37,21 @@ def test_more_gpus_than_the_machine_has_is_refused_naming_the_keys():
 
 
 def test_parameter_server_tasks_get_their_gpus_and_the_rest_none():
-    devices = parameter_server_devices(2, 1, 2, ["0", "1", "2", "3"])
+    placed = {"worker:0": "127.0.0.1", "worker:1": "127.0.0.1", "ps:0": "127.0.0.1"}
+    devices = parameter_server_devices(placed, 2, ["0", "1", "2", "3"])
     assert {task: env["CUDA_VISIBLE_DEVICES"] for task, env in devices.items()} == {
         "worker:0": "0,1",
         "worker:1": "2,3",
         "ps:0": "",
         "coordinator": "",
     }
-    assert parameter_server_devices(2, 1, 1, []) == {}  # no GPU: nothing changes
+    assert parameter_server_devices(placed, 1, []) == {}  # no GPU: nothing changes
+
+
+def test_parameter_server_workers_number_their_gpus_on_their_own_host():
+    placed = {"worker:0": "node1", "worker:1": "node2", "worker:2": "node2", "ps:0": "node1"}
+    devices = parameter_server_devices(placed, 1, ["0", "1"])
+    assert [devices[f"worker:{i}"]["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "0", "1"]
 
 
 def test_host_gpus_from_a_schedulers_grant_or_nvidia_smi(tmp_path):

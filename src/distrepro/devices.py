@@ -1,9 +1,9 @@
 """Which GPUs each training process may use: placement belongs to the strategy.
 
 Horovod: every rank uses the one GPU of its local rank (chosen inside the
-rank, see `training.core.use_gpu`). Parameter server: worker task i gets its
-`strategy.gpus_per_worker` GPUs through CUDA_VISIBLE_DEVICES; ps tasks and
-the coordinator get none. On a machine without GPUs nothing is set.
+rank, see `training.core.use_gpu`). Parameter server: the i-th worker task of
+a host gets its `strategy.gpus_per_worker` GPUs through CUDA_VISIBLE_DEVICES;
+ps tasks and the coordinator get none. On a machine without GPUs nothing is set.
 """
 
 from __future__ import annotations
@@ -42,12 +42,17 @@ def assign_gpus(num_workers: int, gpus_per_worker: int, gpus: list[str]) -> list
 
 
 def parameter_server_devices(
-    num_workers: int, num_ps: int, gpus_per_worker: int, gpus: list[str]
+    placed: dict[str, str], gpus_per_worker: int, gpus: list[str]
 ) -> dict[str, dict[str, str]]:
-    """Environment of each task ("worker:0", "ps:0", "coordinator"): {} without GPUs."""
+    """Environment of each task ("worker:0", "ps:0", "coordinator") given the
+    host of each (placed): worker i takes its GPUs by its index on its host,
+    every host taken to be like this one; {} without GPUs."""
     if not gpus:
         return {}
-    workers = assign_gpus(num_workers, gpus_per_worker, gpus)
-    tasks = {f"worker:{i}": devices for i, devices in enumerate(workers)}
-    tasks |= {f"ps:{i}": "" for i in range(num_ps)} | {"coordinator": ""}
-    return {task: {"CUDA_VISIBLE_DEVICES": devices} for task, devices in tasks.items()}
+    devices = {name: {"CUDA_VISIBLE_DEVICES": ""} for name in [*placed, "coordinator"]}
+    for host in set(placed.values()):
+        workers = [name for name, on in placed.items() if on == host and name.startswith("worker")]
+        groups = assign_gpus(len(workers), gpus_per_worker, gpus)
+        for name, group in zip(workers, groups, strict=True):
+            devices[name] = {"CUDA_VISIBLE_DEVICES": group}
+    return devices

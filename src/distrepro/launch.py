@@ -5,6 +5,7 @@ its checkpoint up to train.max_restarts times."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -15,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from distrepro import hosts
 from distrepro.config import run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus
 from distrepro.processes import DAMAGED_DATA, Restarts, TrainingFailed
@@ -29,6 +31,7 @@ def validate(cfg: DictConfig) -> None:
     validate_values(cfg)
     validate_devices(cfg.strategy)
     validate_data(cfg)
+    validate_tf_config(cfg.strategy)
 
 
 def validate_values(cfg: DictConfig) -> None:
@@ -55,6 +58,8 @@ def validate_values(cfg: DictConfig) -> None:
         )
     if strategy.name.value == "parameter_server" and strategy.num_ps < 1:
         raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
+    if strategy.hosts:
+        validate_hosts(strategy)
     if strategy.elastic:
         validate_elastic(strategy)
     scale = cfg.precision.loss_scale
@@ -95,6 +100,33 @@ def validate_data(cfg: DictConfig) -> None:
             batch, calls = batch // cfg.strategy.num_workers, cfg.strategy.steps_per_call
         updates = max(calls, images["images"] // batch // calls * calls)
         validate_profile_window(cfg.train, updates)
+
+
+def validate_hosts(strategy: DictConfig) -> None:
+    try:
+        slots = sum(n for _, n in hosts.parse(strategy.hosts))
+    except hosts.HostsError as error:
+        raise ConfigError(str(error)) from None
+    if slots != strategy.num_workers:
+        raise ConfigError(
+            f"strategy.hosts={strategy.hosts!r} has {slots} slots for "
+            f"strategy.num_workers={strategy.num_workers}: give each worker one"
+        )
+
+
+def validate_tf_config(strategy: DictConfig) -> None:
+    """Under TF_CONFIG the launcher is the parameter-server cluster's chief
+    (the coordinator); its other tasks run `parameter_server task` on their hosts."""
+    if "TF_CONFIG" not in os.environ:
+        return
+    if strategy.name.value != "parameter_server":
+        raise ConfigError(f"TF_CONFIG is for strategy=parameter_server, not {strategy.name.value}")
+    task = json.loads(os.environ["TF_CONFIG"]).get("task", {})
+    if task.get("type") != "chief":
+        raise ConfigError(
+            f"TF_CONFIG names this process {task.get('type')}:{task.get('index')}: the launcher "
+            f"is the chief; start `python -m {parameter_server.MODULE} task` for the others"
+        )
 
 
 def validate_elastic(strategy: DictConfig) -> None:

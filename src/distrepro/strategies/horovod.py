@@ -20,6 +20,7 @@ from pathlib import Path
 from horovod.common.elastic import ObjectState
 from omegaconf import DictConfig, OmegaConf
 
+from distrepro import hosts
 from distrepro.processes import Restarts, process_env, start, stop
 
 MODULE = "distrepro.strategies.horovod"
@@ -35,28 +36,24 @@ LOCAL_NAMES = ("localhost", "127.0.0.1")
 def local_hosts(num_workers: int) -> list[tuple[str, int]]:
     """(host, slots) of an elastic run on this machine alone."""
     first = math.ceil(num_workers / 2)
-    hosts = [(LOCAL_NAMES[0], first)]
+    named = [(LOCAL_NAMES[0], first)]
     if num_workers > first:
-        hosts.append((LOCAL_NAMES[1], num_workers - first))
-    return hosts
+        named.append((LOCAL_NAMES[1], num_workers - first))
+    return named
 
 
 def elastic_hosts(cfg: DictConfig) -> list[tuple[str, int]]:
-    if not cfg.strategy.hosts:
-        return local_hosts(cfg.strategy.num_workers)
-    return [
-        (host, int(slots)) for host, slots in (h.split(":") for h in cfg.strategy.hosts.split(","))
-    ]
+    return hosts.of_run(cfg) or local_hosts(cfg.strategy.num_workers)
 
 
 def write_discovery_script(cfg: DictConfig, run_dir: Path) -> Path:
     """run_dir/discover_hosts.sh prints run_dir/elastic_hosts, written from the
     config when missing."""
-    hosts = run_dir / ELASTIC_HOSTS
-    if not hosts.exists():
-        hosts.write_text("".join(f"{host}:{slots}\n" for host, slots in elastic_hosts(cfg)))
+    listed = run_dir / ELASTIC_HOSTS
+    if not listed.exists():
+        listed.write_text("".join(f"{host}:{slots}\n" for host, slots in elastic_hosts(cfg)))
     script = run_dir / DISCOVERY_SCRIPT
-    script.write_text(f"#!/bin/sh\nexec cat '{hosts.resolve()}'\n")
+    script.write_text(f"#!/bin/sh\nexec cat '{listed.resolve()}'\n")
     script.chmod(0o755)
     return script
 
@@ -66,14 +63,16 @@ def command(cfg: DictConfig, config_path: Path) -> list[str]:
     controller = "--mpi" if cfg.strategy.controller == "mpi" else "--gloo"
     program = [sys.executable, "-m", MODULE, str(config_path)]
     horovodrun = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(n)]
+    machines = hosts.of_run(cfg)
     if not cfg.strategy.elastic:
-        return [*horovodrun, "-H", cfg.strategy.hosts or f"localhost:{n}", controller, *program]
+        listed = ",".join(f"{host}:{slots}" for host, slots in machines or [("localhost", n)])
+        return [*horovodrun, "-H", listed, controller, *program]
     elastic = [
         *("--min-np", str(cfg.strategy.min_workers), "--max-np", str(n)),
         *("--host-discovery-script", str(config_path.parent / DISCOVERY_SCRIPT)),
         *("--blacklist-cooldown-range", *map(str, COOLDOWN_S)),
     ]
-    if not cfg.strategy.hosts:
+    if not machines:
         elastic += ["--network-interface", "lo"]
     return [*horovodrun, *elastic, controller, *program]
 

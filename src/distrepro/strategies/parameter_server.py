@@ -4,10 +4,13 @@
 on the workers. A dead worker task is started again on its address and the
 coordinator reruns its lost steps; a dead ps task ends the attempt.
 
-The cluster comes from TF_CONFIG when set (several machines), else from
-DISTREPRO_CLUSTER, written by the launcher for its localhost tasks.
+The launcher starts the tasks, on this machine or on `strategy.hosts` over
+ssh, and gives them the cluster in DISTREPRO_CLUSTER. Under TF_CONFIG (a
+cluster whose hosts each start their own task) the launcher is the chief and
+starts only the coordinator.
 
     python -m distrepro.strategies.parameter_server task JOB INDEX THREADS
+    python -m distrepro.strategies.parameter_server task          (under TF_CONFIG)
     python -m distrepro.strategies.parameter_server coordinator CONFIG
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from distrepro import hosts
 from distrepro.devices import host_gpus, parameter_server_devices
 from distrepro.processes import Restarts, free_ports, process_env, start, stop
 
@@ -48,37 +53,55 @@ def supervise(
     return f"the coordinator exited with {code}" if code else None
 
 
-def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
-    """Run the cluster once; return why it failed, or None."""
+def placement(cfg: DictConfig) -> dict[str, str]:
+    """The host of each task ("worker:0", "ps:0"): the workers by the hosts'
+    slots, the ps tasks on the first host (with the coordinator); all on
+    127.0.0.1 without hosts."""
     n, m = cfg.strategy.num_workers, cfg.strategy.num_ps
-    ports = free_ports(n + m)
+    machines = hosts.of_run(cfg) or [("127.0.0.1", n)]
+    workers = [host for host, slots in machines for _ in range(slots)]
+    first = machines[0][0]
+    return {f"worker:{i}": workers[i] for i in range(n)} | {f"ps:{i}": first for i in range(m)}
+
+
+def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
+    """Run the cluster once; return why it failed, or None. Under a TF_CONFIG
+    naming this process the chief, the tasks are already running on their
+    hosts: only the coordinator starts."""
+    coordinator_cmd = [sys.executable, "-m", MODULE, "coordinator", str(config_path)]
+    if "TF_CONFIG" in os.environ:
+        coordinator = start(coordinator_cmd, process_env(cfg))
+        try:
+            return supervise(coordinator, {}, None, restarts)
+        finally:
+            stop([coordinator])
+    placed = placement(cfg)
+    ports = dict(zip(placed, free_ports(len(placed)), strict=True))
     cluster = {
-        "worker": [f"127.0.0.1:{p}" for p in ports[:n]],
-        "ps": [f"127.0.0.1:{p}" for p in ports[n:]],
+        job: [f"{placed[name]}:{ports[name]}" for name in placed if name.startswith(job)]
+        for job in ("worker", "ps")
     }
-    devices = parameter_server_devices(n, m, cfg.strategy.gpus_per_worker, host_gpus())
+    devices = parameter_server_devices(placed, cfg.strategy.gpus_per_worker, host_gpus())
     env = {
         **process_env(cfg),
         "DISTREPRO_CLUSTER": json.dumps(cluster),
         "DISTREPRO_DEVICES": json.dumps(devices),
     }
-    threads = str(max(1, (os.cpu_count() or 1) // (n + m + 1)))
+    on_first = sum(host == placed["ps:0"] for host in placed.values())
+    threads = str(max(1, (os.cpu_count() or 1) // (on_first + 1)))
 
     def start_task(name: str) -> subprocess.Popen:
         job, index = name.split(":")
         server = [sys.executable, "-m", MODULE, "task", job, index, threads]
-        return start(server, {**env, **devices.get(name, {})})
+        task_env = {**env, **devices.get(name, {})}
+        return start(hosts.command_on(placed[name], server, task_env), task_env)
 
-    names = [f"worker:{i}" for i in range(n)] + [f"ps:{i}" for i in range(m)]
     tasks: dict[str, subprocess.Popen] = {}
     coordinator = None
     try:
-        for name in names:
+        for name in placed:
             tasks[name] = start_task(name)
-        coordinator = start(
-            [sys.executable, "-m", MODULE, "coordinator", str(config_path)],
-            {**env, **devices.get("coordinator", {})},
-        )
+        coordinator = start(coordinator_cmd, {**env, **devices.get("coordinator", {})})
         return supervise(coordinator, tasks, start_task, restarts)
     finally:
         stop([*tasks.values(), *([coordinator] if coordinator else [])])
@@ -88,7 +111,7 @@ def task_main(job: str, index: int, threads: int) -> None:
     """A ps or worker task: serves until the launcher stops it."""
     import tensorflow as tf
 
-    cluster = tf.train.ClusterSpec(json.loads(os.environ["DISTREPRO_CLUSTER"]))
+    cluster = cluster_resolver().cluster_spec()
     for gpu in tf.config.list_physical_devices("GPU"):  # those CUDA_VISIBLE_DEVICES gives
         tf.config.experimental.set_memory_growth(gpu, True)
     # One inter-op thread more than the share, as in training.core.set_threads.
@@ -119,6 +142,20 @@ def task_devices() -> str:
         return "cpu (no GPU on this host)"
     gpus = {task: env["CUDA_VISIBLE_DEVICES"] for task, env in assigned.items()}
     return "; ".join(f"{task}: GPU {ids}" if ids else f"{task}: cpu" for task, ids in gpus.items())
+
+
+def task_hosts(cluster_spec) -> str:
+    """Where each task runs, as the task itself says: a file read on its device
+    (its host name), and the coordinator's own."""
+    import tensorflow as tf
+
+    where = []
+    for job in ("worker", "ps"):
+        for index in range(cluster_spec.num_tasks(job)):
+            with tf.device(f"/job:{job}/replica:0/task:{index}/device:CPU:0"):
+                name = tf.io.read_file("/proc/sys/kernel/hostname")
+            where.append(f"{job}:{index} on {name.numpy().decode().strip()}")
+    return "; ".join([*where, f"coordinator on {socket.gethostname()}"])
 
 
 def worker_profile(cfg, files, steps_per_call: int):
@@ -172,7 +209,8 @@ def coordinator_main(config_path: str) -> None:
     updates = core.epoch_plan(cfg, metadata["splits"]["train"]["images"], per_worker)
     updates = max(steps_per_call, updates // steps_per_call * steps_per_call)
 
-    strategy = tf.distribute.experimental.ParameterServerStrategy(cluster_resolver())
+    resolver = cluster_resolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
         model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
@@ -212,6 +250,7 @@ def coordinator_main(config_path: str) -> None:
         "threads_per_process": threads,
         "steps_per_call": steps_per_call,
         "devices": task_devices(),
+        "hosts": task_hosts(resolver.cluster_spec()),
         "peak_learning_rate": peak,
     }
     run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
@@ -233,7 +272,10 @@ def coordinator_main(config_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "task":
+    if sys.argv[1:] == ["task"]:  # a host's task under TF_CONFIG
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        task_main(task["type"], int(task["index"]), os.cpu_count() or 1)
+    elif sys.argv[1] == "task":
         task_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
         coordinator_main(sys.argv[2])

@@ -1,0 +1,72 @@
+"""The machines of a run: `strategy.hosts` ("host1:8,host2:8", each host
+with its worker slots), or, in a SLURM job of several nodes, the job's nodes
+and tasks. Remote processes start over ssh, as horovodrun starts its ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+
+
+class HostsError(ValueError):
+    """strategy.hosts cannot be read."""
+
+
+def parse(text: str) -> list[tuple[str, int]]:
+    """[(host, slots)] of "host1:8,host2:8"."""
+    hosts = []
+    for entry in text.split(","):
+        host, _, slots = entry.strip().partition(":")
+        if not host or not slots.isdigit() or int(slots) < 1:
+            raise HostsError(f"strategy.hosts={text!r}: {entry!r} is not HOST:SLOTS")
+        hosts.append((host, int(slots)))
+    return hosts
+
+
+def slurm(environ=os.environ) -> str | None:
+    """strategy.hosts of the SLURM job this runs in, when it has several nodes:
+    SLURM_JOB_NODELIST expanded by `scontrol`, slots from SLURM_TASKS_PER_NODE
+    ("2(x3),1" is 2, 2, 2, 1)."""
+    if int(environ.get("SLURM_JOB_NUM_NODES", "1")) < 2:
+        return None
+    nodes = subprocess.run(
+        ["scontrol", "show", "hostnames", environ["SLURM_JOB_NODELIST"]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    slots = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", environ["SLURM_TASKS_PER_NODE"]):
+        slots += [int(count)] * int(repeat or 1)
+    return ",".join(f"{node}:{n}" for node, n in zip(nodes, slots, strict=True))
+
+
+def of_run(cfg) -> list[tuple[str, int]] | None:
+    """The run's hosts and slots; None when every process runs on this machine."""
+    text = cfg.strategy.hosts or slurm()
+    return parse(text) if text else None
+
+
+def is_local(host: str) -> bool:
+    """Whether host is this machine: its address can be bound here."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket() as probe:
+            probe.bind((address, 0))
+    except OSError:
+        return False
+    return True
+
+
+def command_on(host: str, command: list[str], env: dict[str, str]) -> list[str]:
+    """command, with env, on host: directly when local, else over ssh in this
+    directory. A pseudo-terminal (-tt) makes the remote process end with the
+    connection, when the launcher stops the ssh client."""
+    if is_local(host):
+        return command
+    exports = [f"{key}={value}" for key, value in env.items()]
+    remote = f"cd {shlex.quote(os.getcwd())} && exec env {shlex.join([*exports, *command])}"
+    return ["ssh", "-tt", "-o", "LogLevel=ERROR", host, remote]

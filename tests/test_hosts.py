@@ -1,0 +1,135 @@
+"""Several machines, proven on one: two hosts in network namespaces, each
+with its own name, address and sshd (tests/hosts.sh), and the parameter
+server and Horovod (Gloo and MPI) training across them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+from conftest import REPO
+from test_training import PYTHON, launch_args
+
+HOSTS_SH = str(REPO / "tests" / "hosts.sh")
+TASK = [PYTHON, "-m", "distrepro.strategies.parameter_server", "task"]
+
+
+def skip_without_hosts() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("two hosts need root: network namespaces (ip netns) and an sshd in each")
+    missing = [tool for tool in ("ip", "ssh", "sshd", "unshare") if not shutil.which(tool)]
+    if missing:
+        pytest.skip(f"two hosts need {', '.join(missing)}: `make setup` installs them")
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory) -> Path:
+    """node1 and node2, removed afterwards with every process left on them."""
+    skip_without_hosts()
+    folder = tmp_path_factory.mktemp("hosts")
+    subprocess.run([HOSTS_SH, "up", folder], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run([HOSTS_SH, "down", folder], check=True)
+
+
+def on(hosts: Path, host: str, command: list[str]) -> list[str]:
+    """command on host, as its sshd would run it."""
+    return [HOSTS_SH, "run", str(hosts), host, *command]
+
+
+def train_on_node1(
+    hosts: Path, tfrecords: Path, results: Path, *overrides: str, env: dict | None = None
+) -> dict:
+    """Launch on node1; assert top-1 far above chance; the MLflow run's params."""
+    command = on(hosts, "node1", launch_args(tfrecords, results, *overrides, "train.epochs=5"))
+    subprocess.run(command, check=True, cwd=REPO, timeout=900, env={**os.environ, **(env or {})})
+    (run_dir,) = [p for p in results.iterdir() if (p / "metrics.json").exists()]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["top1"] >= 0.85, metrics["history"]  # chance is 0.1
+    return mlflow.get_run(metrics["mlflow_run_id"]).data.params
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_horovod_trains_across_two_hosts(
+    two_hosts, digits_tfrecords, tmp_path, mlflow_uri, controller
+):
+    overrides = ["strategy=horovod", f"strategy.controller={controller}"]
+    params = train_on_node1(
+        two_hosts, digits_tfrecords, tmp_path, *overrides, "strategy.hosts='node1:1,node2:1'"
+    )
+    assert params["devices"] == "rank 0 on node1: cpu; rank 1 on node2: cpu"
+
+
+def test_the_parameter_server_trains_across_two_hosts(
+    two_hosts, digits_tfrecords, tmp_path, mlflow_uri
+):
+    params = train_on_node1(
+        two_hosts,
+        digits_tfrecords,
+        tmp_path,
+        "strategy=parameter_server",
+        "strategy.hosts='node1:1,node2:1'",
+    )
+    # each task names its host itself (see parameter_server.task_hosts)
+    hosts = "worker:0 on node1; worker:1 on node2; ps:0 on node1; coordinator on node1"
+    assert params["hosts"] == hosts
+
+
+def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_config(
+    two_hosts, digits_tfrecords, tmp_path, mlflow_uri
+):
+    cluster = {
+        "chief": ["node1:2220"],
+        "worker": ["node1:2221", "node2:2222"],
+        "ps": ["node2:2223"],
+    }
+
+    def tf_config(job: str, index: int) -> dict:
+        task = {"type": job, "index": index}
+        return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": task})}
+
+    tasks = [
+        subprocess.Popen(
+            on(two_hosts, host, TASK), env={**os.environ, **tf_config(job, index)}, cwd=REPO
+        )
+        for host, job, index in [("node1", "worker", 0), ("node2", "worker", 1), ("node2", "ps", 0)]
+    ]
+    try:
+        chief = tf_config("chief", 0)
+        params = train_on_node1(
+            two_hosts, digits_tfrecords, tmp_path, "strategy=parameter_server", env=chief
+        )
+    finally:
+        for task in tasks:
+            task.kill()
+            task.wait()
+    hosts = "worker:0 on node1; worker:1 on node2; ps:0 on node2; coordinator on node1"
+    assert params["hosts"] == hosts
+
+
+def test_the_hosts_leave_nothing_behind(tmp_path):
+    skip_without_hosts()
+    subprocess.run([HOSTS_SH, "up", tmp_path], check=True)
+    names = (tmp_path / "namespaces").read_text().split()
+    sshd = [int((tmp_path / f"sshd-{host}.pid").read_text()) for host in ("node1", "node2")]
+    left = subprocess.Popen(on(tmp_path, "node2", ["sleep", "600"]))
+    assert set(names) <= set(netns_list()) and all(psutil.pid_exists(pid) for pid in sshd)
+    subprocess.run([HOSTS_SH, "down", tmp_path], check=True)
+    assert left.wait(timeout=10) != 0
+    psutil.wait_procs([psutil.Process(pid) for pid in sshd if psutil.pid_exists(pid)], timeout=10)
+    assert not any(psutil.pid_exists(pid) for pid in sshd)
+    assert not set(names) & set(netns_list())
+    assert not any(Path("/etc/netns", name).exists() for name in names)
+
+
+def netns_list() -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines()]
