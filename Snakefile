@@ -17,6 +17,13 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 
 
+# MLflow bookkeeping runs where snakemake does, also under a cluster executor.
+localrules:
+    tracking_store,
+    group_parent,
+    setting_parent,
+
+
 rule reproduce:
     default_target: True
     input:

@@ -14,7 +14,12 @@ import mlflow
 import psutil
 import pytest
 from conftest import REPO
+from test_setup import stand_in
 from test_training import PYTHON, launch_args
+
+from distrepro import hosts
+from distrepro.config import compose_config
+from distrepro.launch import ConfigError, validate_tf_config, validate_values
 
 HOSTS_SH = str(REPO / "tests" / "hosts.sh")
 TASK = [PYTHON, "-m", "distrepro.strategies.parameter_server", "task"]
@@ -40,16 +45,16 @@ def two_hosts(tmp_path_factory) -> Path:
         subprocess.run([HOSTS_SH, "down", folder], check=True)
 
 
-def on(hosts: Path, host: str, command: list[str]) -> list[str]:
+def on(folder: Path, host: str, command: list[str]) -> list[str]:
     """command on host, as its sshd would run it."""
-    return [HOSTS_SH, "run", str(hosts), host, *command]
+    return [HOSTS_SH, "run", str(folder), host, *command]
 
 
 def train_on_node1(
-    hosts: Path, tfrecords: Path, results: Path, *overrides: str, env: dict | None = None
+    folder: Path, tfrecords: Path, results: Path, *overrides: str, env: dict | None = None
 ) -> dict:
     """Launch on node1; assert top-1 far above chance; the MLflow run's params."""
-    command = on(hosts, "node1", launch_args(tfrecords, results, *overrides, "train.epochs=5"))
+    command = on(folder, "node1", launch_args(tfrecords, results, *overrides, "train.epochs=5"))
     subprocess.run(command, check=True, cwd=REPO, timeout=900, env={**os.environ, **(env or {})})
     (run_dir,) = [p for p in results.iterdir() if (p / "metrics.json").exists()]
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -79,8 +84,8 @@ def test_the_parameter_server_trains_across_two_hosts(
         "strategy.hosts='node1:1,node2:1'",
     )
     # each task names its host itself (see parameter_server.task_hosts)
-    hosts = "worker:0 on node1; worker:1 on node2; ps:0 on node1; coordinator on node1"
-    assert params["hosts"] == hosts
+    where = "worker:0 on node1; worker:1 on node2; ps:0 on node1; coordinator on node1"
+    assert params["hosts"] == where
 
 
 def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_config(
@@ -111,8 +116,8 @@ def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_c
         for task in tasks:
             task.kill()
             task.wait()
-    hosts = "worker:0 on node1; worker:1 on node2; ps:0 on node2; coordinator on node1"
-    assert params["hosts"] == hosts
+    where = "worker:0 on node1; worker:1 on node2; ps:0 on node2; coordinator on node1"
+    assert params["hosts"] == where
 
 
 def test_the_hosts_leave_nothing_behind(tmp_path):
@@ -133,3 +138,34 @@ def test_the_hosts_leave_nothing_behind(tmp_path):
 def netns_list() -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in listing.splitlines()]
+
+
+@pytest.mark.parametrize(
+    "listed, named",
+    [
+        ("node1:1,node2", "'node2' is not HOST:SLOTS"),
+        ("node1:0,node2:2", "'node1:0' is not HOST:SLOTS"),
+        ("node1:1,node2:2", "has 3 slots for strategy.num_workers=2"),
+    ],
+)
+def test_bad_hosts_are_refused_naming_them(listed, named):
+    cfg = compose_config([f"strategy.hosts='{listed}'"])
+    with pytest.raises(ConfigError, match=named):
+        validate_values(cfg)
+
+
+def test_a_launcher_under_another_tasks_tf_config_is_refused(monkeypatch):
+    task = {"cluster": {"worker": ["node2:2222"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(task))
+    with pytest.raises(ConfigError, match="names this process worker:0"):
+        validate_tf_config(compose_config(["strategy=parameter_server"]).strategy)
+
+
+def test_a_slurm_job_of_several_nodes_gives_the_hosts(tmp_path, monkeypatch):
+    stand_in(tmp_path / "scontrol", "gpu-a\ngpu-b\ngpu-c")  # `scontrol show hostnames gpu-[a-c]`
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    job = {"SLURM_JOB_NODELIST": "gpu-[a-c]"}
+    assert hosts.slurm(8, job) == "gpu-a:3,gpu-b:3,gpu-c:2"
+    assert hosts.slurm(2, job) == "gpu-a:1,gpu-b:1"
+    assert hosts.slurm(8, {}) is None  # not in a SLURM job
+    assert hosts.slurm(8, {"SLURM_JOB_NODELIST": "gpu-a"}) is None  # one node: this machine

@@ -15,9 +15,12 @@ import urllib.request
 from pathlib import Path
 
 import mlflow
+import psutil
 import pytest
 from conftest import REPO, copy_repo, peak_learning_rates, run
 from PIL import Image
+
+from distrepro.config import compose_config, memory_mb
 
 pytestmark = pytest.mark.slow
 
@@ -184,7 +187,7 @@ def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
     assert "1 ps + 8 workers + 1 coordinator" in dry
     assert dry.count("8 GPUs, 1 per worker") == 2  # both training jobs
     evaluate_resources = re.findall(r"rule evaluate:.*?resources: ([^\n]*)", dry, re.S)
-    assert len(evaluate_resources) == 2 and all("gpus=1" in r for r in evaluate_resources)
+    assert len(evaluate_resources) == 2 and all("gpu=1" in r for r in evaluate_resources)
     assert "1024 train / 128 validation shards" in dry
     assert dry.count("90 epochs, global batch 2048, mixed_fp16") == 2
 
@@ -289,3 +292,66 @@ def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_pa
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(30)
+
+
+SLURM_DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path):
+    """A one-node SLURM cluster (tests/slurm.sh); its SLURM_CONF."""
+    if os.geteuid() != 0:
+        pytest.skip("a SLURM cluster needs root: slurmd, slurmctld and munged run as root here")
+    missing = [tool for tool in (*SLURM_DAEMONS, "sbatch") if not shutil.which(tool)]
+    if missing:
+        pytest.skip(f"a SLURM cluster needs {', '.join(missing)}: `make setup` installs them")
+    folder = tmp_path / "slurm"
+    script = str(REPO / "tests" / "slurm.sh")
+    up = subprocess.run([script, "up", folder], capture_output=True, text=True)
+    daemons = []
+    try:
+        assert up.returncode == 0, up.stderr
+        daemons = [int((folder / f"{name}.pid").read_text()) for name in SLURM_DAEMONS]
+        yield up.stdout.strip()
+    finally:
+        subprocess.run([script, "down", folder], check=True)
+    assert not [pid for pid in daemons if psutil.pid_exists(pid)], "a daemon outlived the test"
+
+
+def test_the_workflow_runs_through_the_slurm_profile(
+    slurm_cluster, reproduced, tmp_path, monkeypatch
+):
+    repo = copy_repo(tmp_path / "repo")
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster)  # for snakemake and the SLURM commands
+    run(
+        # the test cluster keeps no accounting (sacct): jobs are followed with squeue
+        ["snakemake", "--workflow-profile", "workflow/profiles/slurm"]
+        + ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1"]
+        + ["--config", "seeds=1", "--", "reproduce"],
+        repo,
+        timeout=1200,
+    )
+    jobs = {}  # rule -> SLURM job ids; the executor comments each job "rule_R_wildcards_.."
+    listed = run(["squeue", "--noheader", "--states=all", "--format=%i %k"], repo).stdout
+    for job, comment in (line.split() for line in listed.splitlines()):
+        jobs.setdefault(re.match(r"rule_(\w+?)(_wildcards|$)", comment)[1], []).append(job)
+    assert {rule: len(ids) for rule, ids in jobs.items()} == {
+        "prepare": 1,
+        "train": 2,
+        "evaluate": 2,
+        "report": 1,
+    }
+    memory = set()
+    for job in jobs["train"]:  # a task per worker, the memory config.memory_mb estimates
+        shown = run(["scontrol", "show", "job", job], repo).stdout
+        assert "JobState=COMPLETED" in shown and "NumTasks=2 " in shown, shown
+        memory |= {int(m) for m in re.findall(r"MinMemoryNode=(\d+)M", shown)}
+    strategies = ("horovod", "parameter_server")
+    assert memory == {memory_mb(compose_config([f"strategy={s}"])) for s in strategies}
+    headings = [
+        re.findall(r"^## .*", (r / "results/report/report.md").read_text(), re.M)
+        for r in (repo, reproduced)
+    ]
+    assert headings[0] == headings[1]
+    for metrics in repo.glob("results/runs/*/metrics.json"):
+        assert json.loads(metrics.read_text())["top1"] >= 0.9, metrics

@@ -74,6 +74,7 @@ class StrategyConfig:
     fp16_allreduce: bool = False
     steps_per_call: int = 10
     gpus_per_worker: int = 0
+    cores_per_worker: int = 1  # what a scheduler gives each worker (SLURM's cpus-per-task)
     elastic: bool = False  # Horovod: go on with the ranks left when one fails
     min_workers: int = 1  # elastic: fewer ranks than this end the run
     commit_every: int = 10  # elastic: updates between commits of the state
@@ -199,6 +200,23 @@ def setting_name(cfg: DictConfig) -> str:
         f"-{plain['precision']['name']}-b{cfg.train.global_batch_size}"
         f"-w{cfg.strategy.num_workers}-{digest[:8]}"
     )
+
+
+def memory_mb(cfg: DictConfig) -> int:
+    """Host memory a training run needs, estimated from its data and model.
+    Each process (workers, ps tasks, coordinator) holds TensorFlow's runtime,
+    about 1.5 GB. A worker on CPU also keeps its batch's activations for the
+    backward pass: about 16 bytes per pixel, times the base width and a
+    quarter of the blocks (ResNet-50 at 224 px: 205 MB an image). On a GPU
+    they are in its memory, and the host keeps a few input batches."""
+    strategy, model, size = cfg.strategy, cfg.model, cfg.data.image_size
+    processes = strategy.num_workers + strategy.num_ps + (strategy.name.value != "horovod")
+    per_worker = cfg.train.global_batch_size // strategy.num_workers
+    if strategy.gpus_per_worker:
+        per_image = 4 * 3 * size**2 * 4  # four batches of float pixels
+    else:
+        per_image = 16 * size**2 * model.base_width * sum(model.blocks_per_stage) / 4
+    return int(1500 * processes + strategy.num_workers * per_worker * per_image / 2**20)
 
 
 def run_name(cfg: DictConfig) -> str:

@@ -1,11 +1,10 @@
 """The machines of a run: `strategy.hosts` ("host1:8,host2:8", each host
-with its worker slots), or, in a SLURM job of several nodes, the job's nodes
-and tasks. Remote processes start over ssh, as horovodrun starts its ranks."""
+with its worker slots), or, in a SLURM job of several nodes, the job's nodes.
+Remote processes start over ssh, as horovodrun starts its ranks."""
 
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import socket
 import subprocess
@@ -26,27 +25,30 @@ def parse(text: str) -> list[tuple[str, int]]:
     return hosts
 
 
-def slurm(environ=os.environ) -> str | None:
-    """strategy.hosts of the SLURM job this runs in, when it has several nodes:
-    SLURM_JOB_NODELIST expanded by `scontrol`, slots from SLURM_TASKS_PER_NODE
-    ("2(x3),1" is 2, 2, 2, 1)."""
-    if int(environ.get("SLURM_JOB_NUM_NODES", "1")) < 2:
+def slurm(num_workers: int, environ=os.environ) -> str | None:
+    """strategy.hosts inside a SLURM job of several nodes: the job's nodes
+    (SLURM_JOB_NODELIST, expanded by `scontrol`; a job step that Snakemake's
+    jobstep executor starts with `srun -n1` keeps it), the workers spread
+    over them evenly, as the job's tasks are."""
+    listed = environ.get("SLURM_JOB_NODELIST", "")
+    if not any(sign in listed for sign in ",["):  # not in a job, or on one node
         return None
     nodes = subprocess.run(
-        ["scontrol", "show", "hostnames", environ["SLURM_JOB_NODELIST"]],
+        ["scontrol", "show", "hostnames", listed],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.split()
-    slots = []
-    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", environ["SLURM_TASKS_PER_NODE"]):
-        slots += [int(count)] * int(repeat or 1)
-    return ",".join(f"{node}:{n}" for node, n in zip(nodes, slots, strict=True))
+    if len(nodes) < 2:
+        return None
+    share, extra = divmod(num_workers, len(nodes))
+    slots = [share + (i < extra) for i in range(len(nodes))]
+    return ",".join(f"{node}:{n}" for node, n in zip(nodes, slots, strict=True) if n)
 
 
 def of_run(cfg) -> list[tuple[str, int]] | None:
     """The run's hosts and slots; None when every process runs on this machine."""
-    text = cfg.strategy.hosts or slurm()
+    text = cfg.strategy.hosts or slurm(cfg.strategy.num_workers)
     return parse(text) if text else None
 
 

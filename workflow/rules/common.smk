@@ -1,12 +1,19 @@
 import hashlib
 import itertools
+import os
 import shlex
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from snakemake.exceptions import WorkflowError
 
-from distrepro.config import compose_config, compose_many, run_name, setting_name
+from distrepro.config import (
+    compose_config,
+    compose_many,
+    memory_mb,
+    run_name,
+    setting_name,
+)
 from distrepro.launch import ConfigError, describe, validate_values
 
 STRATEGIES = ["parameter_server", "horovod"]
@@ -164,8 +171,29 @@ def plan_of(wildcards):
     return describe(run_config(wildcards))
 
 
+# What each job asks of a scheduler (the SLURM profile's sbatch options, and
+# local --cores/--resources). $SLURM_PARTITION and $SLURM_ACCOUNT name a
+# partition and an account; without them SLURM's defaults apply.
+CLUSTER = {
+    resource: os.environ[variable]
+    for resource, variable in [
+        ("slurm_partition", "SLURM_PARTITION"),
+        ("slurm_account", "SLURM_ACCOUNT"),
+    ]
+    if os.environ.get(variable)
+}
+
+
 def workers_of(wildcards):
     return run_config(wildcards).strategy.num_workers
+
+
+def cores_of(wildcards):
+    return run_config(wildcards).strategy.cores_per_worker
+
+
+def train_threads_of(wildcards):
+    return workers_of(wildcards) * cores_of(wildcards)
 
 
 def gpus_of(wildcards):
@@ -173,12 +201,38 @@ def gpus_of(wildcards):
     return strategy.num_workers * strategy.gpus_per_worker
 
 
+def tasks_per_gpu_of(wildcards):
+    """One task per GPU when each worker has one; with several GPUs a worker
+    (0) the job asks only for the GPUs."""
+    return int(run_config(wildcards).strategy.gpus_per_worker == 1)
+
+
+def memory_of(wildcards):
+    return memory_mb(run_config(wildcards))
+
+
 def eval_gpus_of(wildcards):
     return min(1, gpus_of(wildcards))
 
 
+def eval_memory_of(wildcards):
+    """A worker's share of the run's memory: evaluation is one process."""
+    return memory_of(wildcards) // workers_of(wildcards)
+
+
+def dataset_config(wildcards):
+    return next(c for c in CONFIGS if c.data.name == wildcards.dataset)
+
+
+def prepare_threads_of(wildcards):
+    """prepare.processes, else a process per shard, at most this machine's cores."""
+    cfg = dataset_config(wildcards)
+    shards = cfg.data.train_shards + cfg.data.val_shards
+    return cfg.prepare.processes or min(shards, os.cpu_count() or 1)
+
+
 def shards_of(wildcards):
-    data = next(c.data for c in CONFIGS if c.data.name == wildcards.dataset)
+    data = dataset_config(wildcards).data
     return f"{data.train_shards} train / {data.val_shards} validation shards"
 
 

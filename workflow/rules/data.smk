@@ -22,8 +22,10 @@ rule prepare:
         "results/benchmarks/prepare/{dataset}.tsv"
     conda:
         "../../environment.yml"
-    # The converter uses every core it is given; Snakemake caps this at --cores.
-    threads: 64
+    # The converter runs a process per core it is given (local: at most --cores).
+    threads: prepare_threads_of
+    resources:
+        **CLUSTER,
     params:
         shards=shards_of,
     message:

@@ -11,7 +11,9 @@ rule evaluate:
         "../../environment.yml"
     threads: 1
     resources:
-        gpus=eval_gpus_of,
+        **CLUSTER,
+        gpu=eval_gpus_of,
+        mem_mb=eval_memory_of,
     params:
         overrides=run_overrides,
     shell:

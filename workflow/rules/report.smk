@@ -23,6 +23,8 @@ rule report:
         reportdir="report|(sweeps|scaling)/[0-9a-f]+/report",
     conda:
         "../../environment.yml"
+    resources:
+        **CLUSTER,
     params:
         runs=report_run_list,
     shell:

@@ -1,6 +1,8 @@
-# A training job counts a core per worker, so that the two strategies of
-# `reproduce` are timed alone on a 2-core machine; 1-worker sweep points run
-# side by side. A failed or killed job is retried and resumes from its checkpoint.
+# A training job counts strategy.cores_per_worker (1) per worker, so that the two
+# strategies of `reproduce` are timed alone on a 2-core machine; 1-worker sweep
+# points run side by side. Under SLURM it asks for a task per worker, their
+# cores and GPUs, and the memory its data and model need (config.memory_mb).
+# A failed or killed job is retried and resumes from its checkpoint.
 rule train:
     input:
         unpack(train_inputs),
@@ -13,9 +15,14 @@ rule train:
     retries: config["train_retries"]
     conda:
         "../../environment.yml"
-    threads: workers_of
+    threads: train_threads_of
     resources:
-        gpus=gpus_of,
+        **CLUSTER,
+        tasks=workers_of,
+        cpus_per_task=cores_of,
+        gpu=gpus_of,
+        tasks_per_gpu=tasks_per_gpu_of,
+        mem_mb=memory_of,
     params:
         overrides=run_overrides,
         plan=plan_of,
