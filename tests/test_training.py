@@ -505,8 +505,9 @@ def test_a_progress_bar_on_a_terminal_and_plain_lines_in_logs(
 def test_a_profiled_run_keeps_its_traces_and_system_metrics_in_mlflow(
     digits_tfrecords, tmp_path, mlflow_uri, strategy
 ):
-    # steps after the window keep the workers busy while their trace goes on
-    overrides = ("train.epochs=1", "train.steps_per_epoch=60", "train.profile=true")
+    # steps after the window (and a second epoch) keep the parameter server's
+    # workers busy while their trace goes on
+    overrides = ("train.epochs=2", "train.steps_per_epoch=60", "train.profile=true")
     metrics = launch(digits_tfrecords, tmp_path / "runs", f"strategy={strategy}", *overrides)
     client = mlflow.MlflowClient(mlflow_uri)
     run_id = metrics["mlflow_run_id"]

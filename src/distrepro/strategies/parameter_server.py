@@ -160,8 +160,9 @@ def task_hosts(cluster_spec) -> str:
 
 def worker_profile(cfg, files, steps_per_call: int):
     """The profiled window (in whole calls): the coordinator's trace, and the
-    worker tasks', whose gRPC servers serve TensorFlow's profiler, for as long
-    as the window should take."""
+    worker tasks', whose gRPC servers serve TensorFlow's profiler. The
+    workers' trace goes on after the window while training does; the threads
+    that take it are returned, to be joined before the run finishes."""
     import threading
 
     import tensorflow as tf
@@ -186,7 +187,7 @@ def worker_profile(cfg, files, steps_per_call: int):
         tracing.append(threading.Thread(target=trace, args=(milliseconds,)))
         tracing[0].start()
 
-    return core.Profile(cfg, files, start, lambda: tracing[0].join(), steps_per_call)
+    return core.Profile(cfg, files, start, multiple=steps_per_call), tracing
 
 
 def coordinator_main(config_path: str) -> None:
@@ -255,6 +256,9 @@ def coordinator_main(config_path: str) -> None:
     }
     run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
     warmup = -(-cfg.train.warmup_steps_excluded // steps_per_call) * steps_per_call
+    profile, tracing = None, []
+    if cfg.train.profile:
+        profile, tracing = worker_profile(cfg, files, steps_per_call)
     history = core.train_loop(
         cfg,
         trainer,
@@ -266,8 +270,10 @@ def coordinator_main(config_path: str) -> None:
         min(warmup, updates - steps_per_call),
         lambda: cfg.strategy.num_workers,
         stride=core.progress_stride(updates, steps_per_call),
-        profile=worker_profile(cfg, files, steps_per_call) if cfg.train.profile else None,
+        profile=profile,
     )
+    for thread in tracing:
+        thread.join()  # the workers' trace, which finish() reads
     core.finish(cfg, files, history, run_id)
 
 
