@@ -164,9 +164,8 @@ def test_parameter_server_launcher_stops_its_tasks_on_failure_and_sigint(
     empty = tmp_path / "no-shards"
     empty.mkdir()
     (empty / "metadata.json").write_text((digits_tfrecords / "metadata.json").read_text())
-    failed = subprocess.run(
-        launch_args(empty, tmp_path / "failed", "strategy=parameter_server"), cwd=REPO
-    )
+    overrides = ("strategy=parameter_server", "train.max_restarts=0")
+    failed = subprocess.run(launch_args(empty, tmp_path / "failed", *overrides), cwd=REPO)
     assert failed.returncode != 0
     assert not training_processes()
 
@@ -185,9 +184,8 @@ def test_parameter_server_launcher_stops_its_tasks_on_failure_and_sigint(
     assert not training_processes()
 
 
-@pytest.mark.parametrize(
-    "precision, scale", [("mixed_fp16", "dynamic"), ("mixed_fp16", "128"), ("mixed_bf16", None)]
-)
+# The dynamic loss scale, fp16's default, is built in test_fp16_loss_scale_is_dynamic_or_fixed.
+@pytest.mark.parametrize("precision, scale", [("mixed_fp16", "128"), ("mixed_bf16", None)])
 def test_mixed_precision_trains_a_few_steps(
     digits_tfrecords, tmp_path, mlflow_uri, precision, scale
 ):
@@ -218,7 +216,9 @@ def test_hydra_multirun_runs_each_point_as_a_child_of_one_parent(
     )
     result = subprocess.run([*refused[:3], "-m", *refused[3:]], cwd=REPO, capture_output=True)
     assert result.returncode != 0 and b"train.global_batch_size=63" in result.stderr
-    assert not (tmp_path / "mlflow.db").exists()  # no parent run for a refused sweep
+    client = mlflow.MlflowClient(mlflow_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    assert not client.search_runs(experiments)  # no parent run for a refused sweep
 
     sweep_dir = tmp_path / "sweep"
     args = launch_args(
@@ -233,7 +233,6 @@ def test_hydra_multirun_runs_each_point_as_a_child_of_one_parent(
     )
     subprocess.run([*args[:3], "-m", *args[3:]], check=True, cwd=REPO, timeout=900)
     parent_id = (sweep_dir / "mlflow_parent_run_id").read_text().strip()
-    client = mlflow.MlflowClient(mlflow_uri)
     parent = client.get_run(parent_id)
     children = client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'"
@@ -248,17 +247,6 @@ def test_run_name_changes_with_any_value():
     base = run_name(compose_config([]))
     assert base == run_name(compose_config([]))
     assert base != run_name(compose_config(["train.weight_decay=0.0"]))
-
-
-def test_horovod_over_mpi_learns_digits_as_gloo_does(digits_tfrecords, tmp_path, mlflow_uri):
-    metrics = launch(
-        digits_tfrecords, tmp_path / "runs", "strategy.controller=mpi", "train.epochs=6"
-    )
-    assert metrics["top1"] >= 0.90, metrics["history"]
-    run = mlflow.MlflowClient(mlflow_uri).get_run(metrics["mlflow_run_id"])
-    assert run.data.params["strategy.controller"] == "mpi"
-    assert run.data.params["devices"].count(": cpu") == 2  # both ranks, no GPU here
-    assert not training_processes()
 
 
 def test_parameter_server_tasks_get_their_own_gpus(digits_tfrecords, tmp_path, mlflow_uri):
@@ -489,6 +477,8 @@ def test_a_progress_bar_on_a_terminal_and_plain_lines_in_logs(
     screen = typescript.read_text(errors="replace").replace("\r", "\n")
     assert re.search(r"epoch 1/1: +100%.*20/20 .*step/s, loss [\d.]+, \d+ img/s", screen)
     assert re.search(r"epoch 1/1  loss [\d.]+ ", screen)
+    if strategy != "horovod":
+        return  # without a terminal both strategies take the same path: checked once
     logged = subprocess.run(
         launch_args(digits_tfrecords, tmp_path / "log", *overrides),
         capture_output=True,

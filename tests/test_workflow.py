@@ -327,7 +327,7 @@ def test_the_workflow_runs_through_the_slurm_profile(
         # the test cluster keeps no accounting (sacct): jobs are followed with squeue
         ["snakemake", "--workflow-profile", "workflow/profiles/slurm"]
         + ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1"]
-        + ["--config", "seeds=1", "--", "reproduce"],
+        + ["--config", "seeds=1", "overrides=train.epochs=5", "--", "reproduce"],
         repo,
         timeout=1200,
     )
@@ -347,11 +347,12 @@ def test_the_workflow_runs_through_the_slurm_profile(
         assert "JobState=COMPLETED" in shown and "NumTasks=2 " in shown, shown
         memory |= {int(m) for m in re.findall(r"MinMemoryNode=(\d+)M", shown)}
     strategies = ("horovod", "parameter_server")
-    assert memory == {memory_mb(compose_config([f"strategy={s}"])) for s in strategies}
+    configs = [compose_config([f"strategy={s}", "train.epochs=5"]) for s in strategies]
+    assert memory == {memory_mb(cfg) for cfg in configs}
     headings = [
         re.findall(r"^## .*", (r / "results/report/report.md").read_text(), re.M)
         for r in (repo, reproduced)
     ]
     assert headings[0] == headings[1]
     for metrics in repo.glob("results/runs/*/metrics.json"):
-        assert json.loads(metrics.read_text())["top1"] >= 0.9, metrics
+        assert json.loads(metrics.read_text())["top1"] >= 0.85, metrics  # chance is 0.1
