@@ -30,7 +30,11 @@ on_host() { # HOST COMMAND..: COMMAND in HOST's network, mounts and host name
 }
 
 up() {
-  mkdir -p "$dir" /run/sshd
+  mkdir -p "$dir"
+  if [ ! -d /run/sshd ]; then # sshd's privilege separation directory
+    mkdir /run/sshd
+    touch "$dir/made_run_sshd"
+  fi
   ssh-keygen -q -t ed25519 -N '' -f "$dir/id_ed25519"
   ssh-keygen -q -t ed25519 -N '' -f "$dir/host_key"
   cp "$dir/id_ed25519.pub" "$dir/authorized_keys"
@@ -92,6 +96,10 @@ down() {
     rm -rf "/etc/netns/$ns"
   done
   ip link del "drp$id-a" 2>/dev/null || true # only there when up stopped half-way
+  if [ -e "$dir/made_run_sshd" ]; then
+    rmdir /run/sshd 2>/dev/null || true # another sshd may use it now
+    rm "$dir/made_run_sshd"
+  fi
 }
 
 case $action in

@@ -1,8 +1,9 @@
 #!/bin/bash
 # A one-node SLURM cluster on this machine for the tests: munged, slurmctld
 # and slurmd with their config, key, state and logs in DIR, on free ports of
-# 127.0.0.1 (munged on its default socket, so one such cluster at a time). Clients find it through SLURM_CONF=DIR/slurm.conf, job steps
-# through slurmd's copy in /run/slurm/conf.
+# 127.0.0.1 (munged on its default socket: one such cluster at a time).
+# Clients find it through SLURM_CONF=DIR/slurm.conf, job steps through
+# slurmd's copy in /run/slurm/conf.
 #
 #   tests/slurm.sh up DIR     start it; prints the SLURM_CONF to use
 #   tests/slurm.sh down DIR   stop its daemons (by pid) and the jobs they left

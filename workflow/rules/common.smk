@@ -202,8 +202,9 @@ def gpus_of(wildcards):
 
 
 def tasks_per_gpu_of(wildcards):
-    """One task per GPU when each worker has one; with several GPUs a worker
-    (0) the job asks only for the GPUs."""
+    """1 when each worker has one GPU: a task per GPU. 0 when a worker has
+    several: the job asks for its GPUs alone, and the launcher starts the
+    workers among them."""
     return int(run_config(wildcards).strategy.gpus_per_worker == 1)
 
 
