@@ -8,7 +8,7 @@ import os
 import pytest
 from test_setup import V100, stand_in
 
-from distrepro.config import compose_config
+from distrepro.config import compose_config, memory_mb
 from distrepro.devices import assign_gpus, host_gpus, parameter_server_devices
 from distrepro.launch import ConfigError, validate
 from distrepro.processes import process_env
@@ -101,3 +101,18 @@ def test_xla_and_mpi_reach_every_process_environment():
     assert "--tf_xla_auto_jit=2" in env["TF_XLA_FLAGS"]
     assert (env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1") == (os.geteuid() == 0)
     assert "TF_XLA_FLAGS" not in process_env(compose_config([]))
+
+
+def test_a_runs_memory_is_estimated_from_its_processes_data_and_model():
+    def memory(*overrides):
+        return memory_mb(compose_config(list(overrides)))
+
+    # 2 ranks x 1.5 GB, and 64 digits of 32 px through widths 16 x 6 blocks: 24 MB
+    assert memory() == 2 * 1500 + 24
+    assert memory("strategy=parameter_server") == 4 * 1500 + 24  # + ps and coordinator
+    assert memory("train.global_batch_size=128") == 2 * 1500 + 48
+    # ResNet-50 at 224 px on CPU (8 ranks): about 205 MB (196 MiB) an image;
+    # on GPUs the host keeps only input batches
+    cpu = memory("experiment=aws_blog_8gpu", "strategy.gpus_per_worker=0")
+    assert 2048 * 190 < cpu - 8 * 1500 < 2048 * 200
+    assert memory("experiment=aws_blog_8gpu") < cpu / 20

@@ -279,8 +279,8 @@ def coordinator_main(config_path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["task"]:  # a host's task under TF_CONFIG
-        task = json.loads(os.environ["TF_CONFIG"])["task"]
-        task_main(task["type"], int(task["index"]), os.cpu_count() or 1)
+        resolver = cluster_resolver()
+        task_main(resolver.task_type, resolver.task_id, os.cpu_count() or 1)
     elif sys.argv[1] == "task":
         task_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
