@@ -4,15 +4,19 @@ export TF_CPP_MIN_LOG_LEVEL := 2
 # Registry pins only, for Linux x86_64 and Python 3.11 whatever machine compiles them.
 UV_COMPILE := uv pip compile --quiet --python-version 3.11 --python-platform x86_64-unknown-linux-gnu
 
-.PHONY: setup reproduce test ui lock gpu-check
+.PHONY: setup test-setup reproduce test ui lock gpu-check
 
 setup:
 	bash scripts/setup.sh
 
+# What only the tests need (browser, ssh, munge, SLURM): never installed by `reproduce`.
+test-setup: setup
+	bash scripts/packages.sh test
+
 reproduce: setup
 	snakemake --cores all reproduce
 
-test: setup
+test: test-setup
 	pytest
 
 ui:

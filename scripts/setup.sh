@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent setup: Debian packages, .venv from the lock, Horovod built from
-# source with MPI + Gloo (+ NCCL on a GPU machine), the package itself.
+# Idempotent setup of the main job: Debian packages (scripts/packages.sh main),
+# .venv from the lock, Horovod built from source with MPI + Gloo (+ NCCL on a GPU
+# machine), the package itself.
 #
 #   GPU=1 | GPU=0          force the GPU or the CPU variant (default: GPU=1 when
 #                          nvidia-smi lists a GPU)
@@ -68,31 +69,7 @@ if [ "${1:-}" = --print-build-env ]; then
   exit 0
 fi
 
-# Debian packages, each checked by what it provides (the image's own cmake,
-# g++ and Python headers count).
-missing=()
-need() { command -v "$1" >/dev/null || missing+=("$2"); }
-need cmake cmake
-need g++ g++
-need make make
-need chromium chromium
-need mpirun openmpi-bin
-need mpicxx libopenmpi-dev
-# Two hosts in network namespaces and a one-node SLURM cluster (the several-nodes tests)
-need ip iproute2
-need ssh openssh-client
-need sshd openssh-server
-need munged munge
-need slurmctld slurmctld
-need slurmd slurmd
-need sbatch slurm-client
-"$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' ||
-  missing+=(python3-dev)
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "setup: installing Debian packages: ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+bash scripts/packages.sh main # Debian packages first: nothing is created without them
 
 lock_hash=$(sha256sum "$lock" | cut -c1-16)
 if [ "$(cat .venv/.lock-hash 2>/dev/null)" != "$lock_hash" ]; then

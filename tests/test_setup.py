@@ -1,11 +1,14 @@
 """The setup's variant detection and GPU build environment, with stand-in
-`nvidia-smi` and `nvcc` scripts (no GPU or CUDA 12 toolkit is needed)."""
+`nvidia-smi` and `nvcc` scripts (no GPU or CUDA 12 toolkit is needed); its
+Debian packages as a user who is not root."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -104,3 +107,87 @@ def test_gpu_check_says_there_is_no_gpu_and_stops(tmp_path):
     result = setup_sh(tmp_path, ["make", "gpu-check"], gpus=None)
     assert result.returncode != 0
     assert "no GPU" in result.stderr and "setup" not in result.stdout
+
+
+# A user that is not root: an unprivileged user namespace (uid 1000, no capabilities).
+AS_USER = (
+    shutil.which("unshare") or "unshare",
+    "--user",
+    "--map-user=1000",
+    "--map-group=1000",
+    "--",
+)
+MAIN_PACKAGES = "cmake g++ make openmpi-bin libopenmpi-dev"
+TEST_PACKAGES = ("chromium", "openssh-server", "munge", "slurmctld", "slurmd", "slurm-client")
+
+
+def user_namespaces() -> bool:
+    return subprocess.run([*AS_USER, "true"], capture_output=True).returncode == 0
+
+
+needs_user_namespace = pytest.mark.skipif(
+    not user_namespaces(), reason="needs unprivileged user namespaces (unshare --user)"
+)
+
+
+def bare_machine(tmp_path: Path, sudo: bool = False) -> dict[str, str]:
+    """The environment of a user on a machine with Python but no build tools
+    or Open MPI (a PATH of a few tools), and a stand-in sudo that records its
+    arguments in tmp_path/sudo-args when asked for."""
+    bin_dir = tmp_path / "bare-bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "realpath", "sed", "cat", "id", "sha256sum", "cut"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "python3.11").symlink_to(Path(sys.executable).resolve())
+    if sudo:
+        (bin_dir / "sudo").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "sudo-args"}\n')
+        (bin_dir / "sudo").chmod(0o755)
+    return {**os.environ, "PATH": str(bin_dir), "PYTHON": "python3.11"}
+
+
+@needs_user_namespace
+def test_setup_as_a_user_with_the_packages_present_succeeds():
+    # The wheel cache the suite's own setup used (CI's is a fresh folder).
+    wheel_cache = Path((REPO / ".venv/.horovod-wheel").read_text().strip()).parent
+    env = {**os.environ, "DISTREPRO_WHEEL_CACHE": str(wheel_cache)}
+    result = subprocess.run(
+        [*AS_USER, "make", "setup"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "installing" not in result.stdout and "building" not in result.stdout
+
+
+@needs_user_namespace
+def test_a_user_without_sudo_is_given_the_install_line_and_nothing_is_created(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "scripts", repo / "scripts")
+    shutil.copy(REPO / "requirements.lock", repo)
+    result = subprocess.run(
+        [*AS_USER, str(shutil.which("bash")), "scripts/setup.sh"],
+        cwd=repo,
+        env=bare_machine(tmp_path),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert f"as root, run: apt-get install --no-install-recommends {MAIN_PACKAGES}" in (
+        result.stderr
+    )
+    assert not any(package in result.stderr.split() for package in TEST_PACKAGES)
+    assert sorted(p.name for p in repo.iterdir()) == ["requirements.lock", "scripts"]
+
+
+@needs_user_namespace
+def test_a_user_with_sudo_is_told_before_sudo_installs(tmp_path):
+    result = subprocess.run(
+        [*AS_USER, str(shutil.which("bash")), "scripts/packages.sh", "main"],
+        cwd=REPO,
+        env=bare_machine(tmp_path, sudo=True),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"with sudo, which may ask for your password: {MAIN_PACKAGES}" in result.stdout
+    args = (tmp_path / "sudo-args").read_text().split()
+    assert args[:2] == ["bash", str(REPO / "scripts/packages.sh")]
+    assert args[2:] == ["install", *MAIN_PACKAGES.split()]
