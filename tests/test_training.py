@@ -129,33 +129,94 @@ def test_bad_config_on_the_command_line_fails_in_seconds(tmp_path):
     assert not (tmp_path / "runs").exists() and not training_processes()
 
 
-def test_killed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(
-    digits_tfrecords, tmp_path, mlflow_uri
-):
-    results = tmp_path / "runs"
-    args = launch_args(digits_tfrecords, results, "train.epochs=3")
-    proc = subprocess.Popen(args, cwd=REPO, start_new_session=True)
+def wait_for(paths, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not list(paths()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def kill_the_launcher_at(args: list[str], checkpoint: Path | str) -> None:
+    """Start the launcher; once `checkpoint` (a glob) is written, kill -9 the
+    launcher alone; within 10 s no process of the run is left."""
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 300
-        while not list(results.glob("*/checkpoints/ckpt-1.index")) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: Path("/").glob(str(checkpoint).lstrip("/")), 300)
+        assert training_processes(), "the run had no training process"
+        proc.kill()
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait()
-    for leftover in training_processes():
-        leftover.kill()
+    deadline = time.monotonic() + 10
+    while training_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not training_processes(), "processes of the run outlived its launcher"
+
+
+@pytest.mark.parametrize("strategy, damaged", [("parameter_server", None), ("horovod", "ckpt-2")])
+def test_a_killed_launcher_leaves_no_process_and_the_run_resumes(
+    digits_tfrecords, tmp_path, mlflow_uri, strategy, damaged
+):
+    """kill -9 of the launcher (a scheduler's time limit, the OOM killer):
+    its processes end with it; the same command resumes in the same MLflow
+    run, past a newest checkpoint that a crash left short."""
+    results = tmp_path / "runs"
+    overrides = (f"strategy={strategy}", "train.epochs=3")
+    last = damaged or "ckpt-1"
+    kill_the_launcher_at(
+        launch_args(digits_tfrecords, results, *overrides),
+        results / f"*/checkpoints/{last}.index",
+    )
     (run_dir,) = results.iterdir()
     assert not (run_dir / "metrics.json").exists()
     first_id = (run_dir / "mlflow_run_id").read_text()
+    if damaged:
+        with open(run_dir / f"checkpoints/{damaged}.data-00000-of-00001", "r+b") as data:
+            data.truncate(100)  # what a machine that goes down mid-write leaves
 
-    metrics = launch(digits_tfrecords, results, "train.epochs=3")
+    again = subprocess.run(
+        launch_args(digits_tfrecords, results, *overrides),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["mlflow_run_id"] == first_id
     assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3]
     client = mlflow.MlflowClient(mlflow_uri)
     (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
-    runs = client.search_runs([experiment.experiment_id])
-    assert [r.info.run_id for r in runs] == [first_id]
-    assert runs[0].info.status == "FINISHED"
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == first_id and run.info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(first_id, "val_top1"))
+    assert steps == ([1, 2, 2, 3] if damaged else [1, 2, 3])  # the skipped epoch twice
+    if damaged:
+        assert f"checkpoint: skipping {run_dir}/checkpoints/{damaged}" in again.stdout
+        (skip,) = metrics["skipped_checkpoints"]
+        assert skip.startswith(f"{damaged}: ")
+        assert run.data.tags["skipped_checkpoints"] == skip
+    else:
+        assert metrics["skipped_checkpoints"] == [] and "skipped_checkpoints" not in run.data.tags
+
+
+def test_a_checkpoint_is_trusted_only_once_it_reads(tmp_path):
+    """Every checkpoint unreadable: the run starts over, saying so."""
+    import tensorflow as tf
+
+    from distrepro.training.core import RunFiles, unreadable
+
+    variable = tf.Variable([1.0, 2.0])
+    files = RunFiles(tmp_path, variable, tf.Variable(0.0), is_chief=True)
+    files.end_epoch([{"epoch": 1}])
+    (path,) = files.manager.checkpoints
+    assert unreadable(path) is None
+    variable.assign([0.0, 0.0])
+    assert files.restore() == [{"epoch": 1}] and variable.numpy().tolist() == [1.0, 2.0]
+    (tmp_path / "checkpoints/ckpt-1.data-00000-of-00001").write_bytes(b"\0" * 100)
+    assert unreadable(path)
+    files = RunFiles(tmp_path, variable, tf.Variable(0.0), is_chief=True)
+    assert files.restore() == []
+    assert json.loads((tmp_path / "skipped_checkpoints.json").read_text())[0].startswith("ckpt-1")
 
 
 def test_parameter_server_launcher_stops_its_tasks_on_failure_and_sigint(

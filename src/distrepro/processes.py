@@ -1,10 +1,15 @@
 """Starting, stopping and restarting the processes of a training run.
 
 Each process is started in a session of its own and stopped with its whole
-process group, by pid, when training ends, fails or is interrupted."""
+process group, by pid, when training ends, fails or is interrupted. Should
+the launcher die without stopping them (SIGKILL, the OOM killer), the kernel
+kills each of them too (its parent-death signal); what they started in turn
+ends with them: horovodrun's ranks when horovodrun goes, a remote task when
+its ssh client does."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -21,6 +26,8 @@ from distrepro.devices import host_gpus
 
 # Written by a training process whose data is damaged: restarting cannot help.
 DAMAGED_DATA = "damaged_data.txt"
+# Present while a finished run's record has not reached the MLflow server.
+TRACKING_BEHIND = "mlflow_behind"
 # The launcher's terminal, where the chief draws its progress bar.
 TERMINAL = "DISTREPRO_TERMINAL"
 
@@ -69,8 +76,22 @@ def process_env(cfg: DictConfig) -> dict[str, str]:
     return env
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True)
+    """Start cmd in a session of its own, to die with this process. Call it
+    from the main thread: the signal follows the thread that started it."""
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:  # in the child, before exec
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # it died before prctl
+            os._exit(1)
+
+    env = {**os.environ, **(env or {})}
+    return subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_launcher)
 
 
 def signal_group(proc: subprocess.Popen, signum: int) -> None:
