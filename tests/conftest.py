@@ -143,14 +143,21 @@ def copy_repo(dest: Path) -> Path:
     return dest
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run a project command with the venv first on PATH and cwd's own package
-    first on the import path; fail with its output."""
+def project_env(cwd: Path) -> dict[str, str]:
+    """The environment of a project command in cwd: the venv first on PATH,
+    cwd's own package first on the import path, cwd's own MLflow store."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     if (cwd / "src").is_dir():
         env["PYTHONPATH"] = str(cwd / "src")
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run a project command (project_env); fail with its output."""
+    result = subprocess.run(
+        cmd, cwd=cwd, env=project_env(cwd), capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, (
         f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     )

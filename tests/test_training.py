@@ -11,9 +11,11 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import mlflow
@@ -217,6 +219,85 @@ def test_a_checkpoint_is_trusted_only_once_it_reads(tmp_path):
     files = RunFiles(tmp_path, variable, tf.Variable(0.0), is_chief=True)
     assert files.restore() == []
     assert json.loads((tmp_path / "skipped_checkpoints.json").read_text())[0].startswith("ckpt-1")
+
+
+class TrackingServer:
+    """`mlflow server` on a free port of 127.0.0.1, over a copy of the empty
+    store; stopped by its pid (its process group: the server's workers)."""
+
+    def __init__(self, store: Path, folder: Path):
+        shutil.copy(store, folder / "server.db")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.folder, self.proc = folder, None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                *(str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1"),
+                *("--port", str(self.port)),
+                *("--backend-store-uri", f"sqlite:///{self.folder / 'server.db'}"),
+                *("--artifacts-destination", str(self.folder / "artifacts")),
+            ],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(f"mlflow server on {self.uri} did not answer in 120 s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+
+
+def test_a_run_goes_on_while_its_tracking_server_is_down_and_logs_once_it_is_back(
+    digits_tfrecords, tmp_path, monkeypatch, empty_mlflow_store
+):
+    server = TrackingServer(empty_mlflow_store, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    results = tmp_path / "runs"
+    args = launch_args(digits_tfrecords, results, "train.epochs=4")
+    try:
+        server.start()
+        proc = subprocess.Popen(
+            args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            wait_for(lambda: results.glob("*/checkpoints/ckpt-1.index"), 300)
+            server.stop()
+            output, _ = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, output[-3000:]
+        assert "tracking is behind" in output
+        (run_dir,) = results.iterdir()
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert (run_dir / "mlflow_behind").exists()
+
+        server.start()
+        again = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "logging what MLflow missed" in again.stdout
+        assert not (run_dir / "mlflow_behind").exists()
+        client = mlflow.MlflowClient(server.uri)
+        run = client.get_run(metrics["mlflow_run_id"])
+        assert run.info.status == "FINISHED"
+        assert run.data.metrics["top1"] == pytest.approx(metrics["top1"])
+        history = client.get_metric_history(run.info.run_id, "val_top1")
+        assert sorted(m.step for m in history) == [1, 2, 3, 4]
+        assert "metrics.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    finally:
+        server.stop()
 
 
 def test_parameter_server_launcher_stops_its_tasks_on_failure_and_sigint(

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
-from conftest import REPO, copy_repo, peak_learning_rates, run
+from conftest import REPO, copy_repo, peak_learning_rates, project_env, run, training_processes
 from PIL import Image
 
 from distrepro.config import compose_config, memory_mb
@@ -75,6 +75,49 @@ def test_reproduce_reports_both_strategies_with_mlflow_runs(reproduced):
         seeds = runs_of(reproduced, **{"mlflow.parentRunId": parent.info.run_id})
         assert sorted(r.data.tags["seed"] for r in seeds) == ["0", "1", "2"]
         assert {r.data.tags["setting"] for r in seeds} == {parent.data.tags["setting"]}
+
+
+def test_an_interrupted_workflow_leaves_no_training_process_and_resumes(tmp_path):
+    """SIGTERM to Snakemake's process group, as Ctrl-C or a scheduler's signal
+    reaches every process of the job: the training stops with it, and the
+    same command again resumes the run from its checkpoint."""
+    repo = copy_repo(tmp_path / "repo")
+    command = ["snakemake", "--cores", "all", "reproduce", "--config", "seeds=1"]
+    command += ["overrides=train.epochs=4"]
+    proc = subprocess.Popen(
+        command,
+        cwd=repo,
+        env=project_env(repo),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not list(repo.glob("results/runs/*/checkpoints/ckpt-1.index")):
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while training_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not training_processes(), "training processes outlived the interrupted workflow"
+    (interrupted,) = [
+        d for d in (repo / "results/runs").iterdir() if not (d / "metrics.json").exists()
+    ]
+    first_id = (interrupted / "mlflow_run_id").read_text()
+
+    run(command, repo)
+    metrics = json.loads((interrupted / "metrics.json").read_text())
+    assert metrics["mlflow_run_id"] == first_id
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    log = (repo / "logs/train" / f"{interrupted.name}.log").read_text()
+    assert "epoch 1/4" not in log and "epoch 4/4" in log  # resumed after epoch 1
+    assert not training_processes()
 
 
 def test_reproduce_leaves_data_clean_and_a_second_run_does_nothing(reproduced):

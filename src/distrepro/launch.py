@@ -19,7 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 from distrepro import hosts
 from distrepro.config import run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus
-from distrepro.processes import DAMAGED_DATA, Restarts, TrainingFailed
+from distrepro.processes import (
+    DAMAGED_DATA,
+    TRACKING_BEHIND,
+    Restarts,
+    TrainingFailed,
+    end_with_parent,
+)
 from distrepro.strategies import horovod, parameter_server
 
 
@@ -198,7 +204,13 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
     """Write the run directory of a validated cfg, train; return the run directory."""
     run_dir = prepare_run_dir(cfg, list(overrides))
     if (run_dir / "metrics.json").exists():
-        print(f"{run_dir} is complete; nothing to do")
+        if (run_dir / TRACKING_BEHIND).exists():
+            from distrepro.tracking import log_finished
+
+            print(f"{run_dir} is complete; logging what MLflow missed", flush=True)
+            log_finished(run_dir, json.loads((run_dir / "metrics.json").read_text()))
+        else:
+            print(f"{run_dir} is complete; nothing to do")
         return run_dir
     from distrepro.tracking import ensure_experiment  # mlflow: 2 s to import, not for -n
 
@@ -234,9 +246,11 @@ def multirun_parent(cfg: DictConfig) -> str | None:
 
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    # SIGTERM (timeout, Snakemake, a scheduler) unwinds like Ctrl-C, so the
-    # tasks this launcher started are stopped by its `finally` blocks.
+    # SIGTERM (timeout, a scheduler, the end of whatever started the launcher:
+    # Snakemake, a shell) unwinds like Ctrl-C, so the tasks this launcher
+    # started are stopped by its `finally` blocks.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    end_with_parent(signal.SIGTERM)
     try:
         validate(cfg)
         cfg.mlflow_parent_run_id = multirun_parent(cfg)

@@ -80,13 +80,19 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 LIBC = ctypes.CDLL(None, use_errno=True)
 
 
+def end_with_parent(signum: int) -> None:
+    """Have the kernel send this process signum when its parent ends (the
+    thread of its parent that started it, precisely)."""
+    LIBC.prctl(PR_SET_PDEATHSIG, signum)
+
+
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     """Start cmd in a session of its own, to die with this process. Call it
     from the main thread: the signal follows the thread that started it."""
     launcher = os.getpid()
 
     def die_with_launcher() -> None:  # in the child, before exec
-        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        end_with_parent(signal.SIGKILL)
         if os.getppid() != launcher:  # it died before prctl
             os._exit(1)
 

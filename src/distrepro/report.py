@@ -390,8 +390,12 @@ def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
 def main(cfg: DictConfig) -> None:
     if not cfg.report.runs:
         raise SystemExit("report: give the runs, e.g. 'report.runs=[results/runs/NAME]'")
-    for path in write_report(load_runs(list(cfg.report.runs)), Path(cfg.report.out_dir)):
+    from distrepro.tracking import log_setting_figures
+
+    runs = load_runs(list(cfg.report.runs))
+    for path in write_report(runs, Path(cfg.report.out_dir)):
         print(path)
+    log_setting_figures(summary(settings(runs)), runs)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
-"""MLflow: one run per training, resumed by id, with what reruns it."""
+"""MLflow: one run per training, resumed by id, with what reruns it.
+
+A training never waits long for MLflow, nor dies of it: its figures are in
+the run's files first, each MLflow call gives up within seconds, and what a
+server that does not answer missed is logged by a later call, at the latest
+when the run finishes or when the same command runs again."""
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import platform
 import subprocess
@@ -12,10 +18,15 @@ from importlib import metadata
 from pathlib import Path
 
 import mlflow
+import requests
 import yaml
+from mlflow.entities import Metric, RunTag
+from mlflow.exceptions import MlflowException
 from omegaconf import OmegaConf
 
 from distrepro.config import flatten, setting_name
+from distrepro.processes import TRACKING_BEHIND
+from distrepro.traces import PHASES
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
@@ -27,6 +38,8 @@ RUNS_VIEW_COLUMNS = [
     "params.`strategy.name`",
     "tags.`seed`",
     "metrics.`images_per_sec`",
+    "metrics.`images_per_sec_ci95_low`",
+    "metrics.`images_per_sec_ci95_high`",
     "metrics.`top1`",
     "metrics.`best_top1`",
     "metrics.`time_to_target_s`",
@@ -34,6 +47,18 @@ RUNS_VIEW_COLUMNS = [
 ]
 RUNS_VIEW_PATH = "#/experiments/{id}/runs?workflowType=machine_learning&viewStateShareKey=runs"
 SYSTEM_METRICS_INTERVAL_S = 5
+# What a training logs when it ends, from metrics.json.
+FINAL_METRICS = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1", "ps_wait_share")
+FINAL_METRICS += tuple(PHASES.values()) + ("epochs_to_target", "time_to_target_s")
+LOGGED_EPOCHS = "mlflow_logged_epochs"  # how many epochs of history.json MLflow has
+# MLflow's defaults retry a call for minutes; these give up within seconds.
+BOUNDED_REQUESTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+for _key, _value in BOUNDED_REQUESTS.items():
+    os.environ.setdefault(_key, _value)
 PACKAGES = ("tensorflow", "tf_keras", "horovod", "mlflow", "snakemake", "dvc", "hydra-core")
 
 
@@ -148,6 +173,13 @@ def log_dataset(data_cfg: dict, run_ids: list[str | None]) -> None:
         client.log_inputs(run_id, datasets=[used])
 
 
+UNANSWERED = (MlflowException, requests.RequestException, OSError)
+
+
+def behind(what: str, error: Exception) -> None:
+    print(f"tracking is behind: {what} not logged yet ({error}); in the run's files", flush=True)
+
+
 def log_restarts(run_dir: Path, causes: list[str]) -> None:
     """The run's restarts so far: metric `restarts`, one tag per cause. Before
     the run exists they wait in restarts.json; start_run logs them."""
@@ -156,9 +188,96 @@ def log_restarts(run_dir: Path, causes: list[str]) -> None:
         return
     client = mlflow.MlflowClient(tracking_uri())
     run_id = id_file.read_text().strip()
-    client.log_metric(run_id, "restarts", len(causes), step=len(causes))
-    for number, cause in enumerate(causes, 1):
-        client.set_tag(run_id, f"restart.{number}", cause)
+    try:
+        client.log_metric(run_id, "restarts", len(causes), step=len(causes))
+        for number, cause in enumerate(causes, 1):
+            client.set_tag(run_id, f"restart.{number}", cause)
+    except UNANSWERED as error:
+        behind("the restarts", error)
+
+
+def resumed_at(run_dir: Path, epochs: int) -> None:
+    """The run goes on from its checkpoint of `epochs` epochs: those after it
+    are trained, and logged, again."""
+    count = run_dir / LOGGED_EPOCHS
+    if count.exists() and int(count.read_text()) > epochs:
+        count.write_text(str(epochs))
+
+
+def log_epochs(run_dir: Path, history: list[dict]) -> bool:
+    """Log the epochs of history that MLflow does not have yet; False, with a
+    warning, when the server does not answer (the next call logs them)."""
+    count = run_dir / LOGGED_EPOCHS
+    logged = int(count.read_text()) if count.exists() else 0
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    client = mlflow.MlflowClient(tracking_uri())
+    try:
+        for record in history[logged:]:
+            at = mlflow.utils.time.get_current_time_millis()
+            figures = [Metric(k, v, at, record["epoch"]) for k, v in record.items() if k != "epoch"]
+            client.log_batch(run_id, metrics=figures)
+            logged += 1
+            count.write_text(str(logged))
+    except UNANSWERED as error:
+        behind(f"epochs {logged + 1} to {len(history)}", error)
+        return False
+    return True
+
+
+def log_finished(run_dir: Path, metrics: dict) -> bool:
+    """A finished run's record, from its files: the epochs MLflow lacks, the
+    final figures, tags and artifacts, its end. While the server does not
+    answer, run_dir/mlflow_behind says so, and the same command run again
+    (which finds the run done) logs it."""
+    marker = run_dir / TRACKING_BEHIND
+    run_id = metrics["mlflow_run_id"]
+    client = mlflow.MlflowClient(tracking_uri())
+    at = mlflow.utils.time.get_current_time_millis()
+    final = [Metric(k, metrics[k], at, 0) for k in FINAL_METRICS if metrics.get(k) is not None]
+    tags = {"target_reached": str(metrics["epochs_to_target"] is not None).lower()}
+    if metrics["skipped_checkpoints"]:
+        tags["skipped_checkpoints"] = "; ".join(metrics["skipped_checkpoints"])
+    try:
+        if not log_epochs(run_dir, metrics["history"]):
+            raise MlflowException("the epochs could not be logged")
+        client.log_batch(run_id, metrics=final, tags=[RunTag(k, v) for k, v in tags.items()])
+        profile = run_dir / "profile"
+        if profile.is_dir():
+            client.log_artifacts(run_id, str(profile), "profile")
+        client.log_artifact(run_id, str(run_dir / "metrics.json"))
+        client.set_terminated(run_id)
+    except UNANSWERED as error:
+        behind("the finished run", error)
+        marker.write_text(f"{error}\n")
+        return False
+    marker.unlink(missing_ok=True)
+    return True
+
+
+def log_setting_figures(summary: dict, runs: list[dict]) -> None:
+    """Each setting's parent run gets its seeds' means under the children's
+    metric names, with the 95 % interval as <name>_ci95_low/_high and the
+    count as `seeds`, so that the runs table compares settings without
+    unfolding them (report.summary gives the figures)."""
+    client = mlflow.MlflowClient(tracking_uri())
+    at = mlflow.utils.time.get_current_time_millis()
+    by_run = {run["run_name"]: run["mlflow_run_id"] for run in runs}
+    try:
+        for setting in summary.values():
+            child = client.get_run(by_run[next(iter(setting["runs"]))])
+            parent = child.data.tags.get("mlflow.parentRunId")
+            if parent is None:
+                continue
+            figures = [Metric("seeds", len(setting["runs"]), at, 0)]
+            for key, value in setting.items():
+                if key != "runs":
+                    figures += [Metric(key, value["mean"], at, 0)]
+                    for bound, end in zip(value["ci95"], ("low", "high"), strict=True):
+                        if not math.isnan(bound):  # one seed has no interval
+                            figures += [Metric(f"{key}_ci95_{end}", bound, at, 0)]
+            client.log_batch(parent, metrics=figures)
+    except UNANSWERED as error:
+        behind("the settings' means", error)
 
 
 def start_parent(experiment: str, kind: str, name: str, parent_run_id: str = "") -> str:

@@ -2,7 +2,8 @@
 # strategies of `reproduce` are timed alone on a 2-core machine; 1-worker sweep
 # points run side by side. Under SLURM it asks for a task per worker, their
 # cores and GPUs, and the memory its data and model need (config.memory_mb).
-# A failed or killed job is retried and resumes from its checkpoint.
+# A failed or killed job is retried and resumes from its checkpoint. `exec`
+# makes the launcher Snakemake's own child: it stops its run when Snakemake ends.
 rule train:
     input:
         unpack(train_inputs),
@@ -29,7 +30,7 @@ rule train:
     message:
         "{wildcards.run}: {params.plan}"
     shell:
-        "python -m distrepro.launch {params.overrides} > {log} 2>&1"
+        "exec python -m distrepro.launch {params.overrides} > {log} 2>&1"
 
 
 rule group_parent:

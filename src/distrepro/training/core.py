@@ -10,17 +10,18 @@ import math
 import os
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import tensorflow as tf
 import tf_keras as keras
 
+from distrepro import tracking
 from distrepro.atomic import write_json_atomically
 from distrepro.config import setting_name
 from distrepro.processes import DAMAGED_DATA, TERMINAL
 from distrepro.stats import time_to_target
-from distrepro.traces import PHASES, exchange_shares, worker_wait_share
+from distrepro.traces import exchange_shares, worker_wait_share
 
 POLICIES = {"fp32": "float32", "mixed_fp16": "mixed_float16", "mixed_bf16": "mixed_bfloat16"}
 STEP_DECAY_AT = (1 / 3, 2 / 3, 8 / 9)  # epochs 30, 60, 80 of 90
@@ -167,6 +168,18 @@ class Trainer:
         return tf.stack(counts + [tf.cast(tf.size(labels), tf.float64)])
 
 
+def unreadable(checkpoint: str) -> str | None:
+    """Why a checkpoint cannot be read (each tensor read, its checksum
+    checked), or None. A machine that went down mid-write leaves a short file."""
+    try:
+        reader = tf.train.load_checkpoint(checkpoint)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except Exception as error:  # by the damage: OpError, ValueError, IndexError...
+        return f"{type(error).__name__}: {getattr(error, 'message', str(error)).splitlines()[0]}"
+    return None
+
+
 class RunFiles:
     """results/runs/<run>/: checkpoints, per-epoch history, metrics.json."""
 
@@ -176,15 +189,36 @@ class RunFiles:
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=self.epoch)
         self.manager = tf.train.CheckpointManager(checkpoint, run_dir / "checkpoints", 2)
         self.history_path = run_dir / "history.json"
+        self.skipped_path = run_dir / "skipped_checkpoints.json"
         self.profiled: list[int] | None = None  # the updates a Profile traces
 
     def restore(self) -> list[dict]:
-        """Restore the last checkpoint, if any; return the history up to it."""
-        if self.manager.latest_checkpoint:
-            self.manager.checkpoint.restore(self.manager.latest_checkpoint)
+        """Restore the newest checkpoint that reads to its end, skipping (and
+        recording) those that do not; return the history up to it."""
+        for path in reversed(self.manager.checkpoints):
+            problem = unreadable(path)
+            if problem is None:
+                self.manager.checkpoint.restore(path)
+                break
+            self.skip(path, problem)
+        else:
+            if self.manager.checkpoints:
+                print("checkpoint: none reads; starting the run over", flush=True)
+        epochs = int(self.epoch.numpy())
+        if self.is_chief:
+            tracking.resumed_at(self.run_dir, epochs)
         if not self.history_path.exists():
             return []
-        return json.loads(self.history_path.read_text())[: int(self.epoch.numpy())]
+        return json.loads(self.history_path.read_text())[:epochs]
+
+    def skip(self, path: str, problem: str) -> None:
+        print(f"checkpoint: skipping {path}, which cannot be read: {problem}", flush=True)
+        if self.is_chief:
+            skipped = self.skipped_checkpoints()
+            write_json_atomically(self.skipped_path, [*skipped, f"{Path(path).name}: {problem}"])
+
+    def skipped_checkpoints(self) -> list[str]:
+        return json.loads(self.skipped_path.read_text()) if self.skipped_path.exists() else []
 
     def end_epoch(self, history: list[dict]) -> None:
         """History first, then the checkpoint that makes the epoch count."""
@@ -217,6 +251,7 @@ class RunFiles:
             "target_top1": cfg.train.target_top1,
             **time_to_target(history, cfg.train.target_top1),
             "final_checkpoint": self.manager.latest_checkpoint,
+            "skipped_checkpoints": self.skipped_checkpoints(),
             "mlflow_run_id": mlflow_run_id,
             "history": history,
         }
@@ -393,13 +428,11 @@ def epoch_record(epoch: int, trainer: Trainer, correct, images_per_sec, epoch_ti
 
 def end_epoch(cfg, files: RunFiles, history: list[dict]) -> None:
     """Checkpoint the epoch; the chief logs it to MLflow and prints it."""
-    import mlflow
-
     files.end_epoch(history)
     if not files.is_chief:
         return
+    tracking.log_epochs(files.run_dir, history)
     record = history[-1]
-    mlflow.log_metrics({k: v for k, v in record.items() if k != "epoch"}, step=record["epoch"])
     print(
         f"epoch {record['epoch']}/{cfg.train.epochs}  loss {record['train_loss']:.3f}  "
         f"top-1 {record['val_top1']:.3f}  top-5 {record['val_top5']:.3f}  "
@@ -434,19 +467,13 @@ def damage_report(tfrecord_dir: str) -> str:
 
 
 def finish(cfg, files: RunFiles, history: list[dict], run_id: str) -> dict:
-    """The chief's end of a run: metrics.json, final MLflow metrics, end the run."""
+    """The chief's end of a run: metrics.json, then its MLflow record."""
     import mlflow
 
     metrics = files.write_metrics(cfg, history, run_id)
-    keys = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1", "ps_wait_share")
-    keys += tuple(PHASES.values())
-    reached = ("epochs_to_target", "time_to_target_s") if metrics["epochs_to_target"] else ()
-    mlflow.log_metrics({k: metrics[k] for k in keys + reached if k in metrics})
-    if (files.run_dir / PROFILE_DIR).is_dir():
-        mlflow.log_artifacts(str(files.run_dir / PROFILE_DIR), PROFILE_DIR)
-    mlflow.set_tag("target_reached", str(bool(reached)).lower())
-    mlflow.log_artifact(str(files.run_dir / "metrics.json"))
-    mlflow.end_run()
+    tracking.log_finished(files.run_dir, metrics)
+    with suppress(*tracking.UNANSWERED):  # ends the run here, and its system metrics
+        mlflow.end_run()
     return metrics
 
 
