@@ -13,8 +13,8 @@ import tensorflow as tf
 
 import distrepro  # noqa: F401  (tf-keras first)
 from distrepro.config import compose_config
-from distrepro.training.core import set_threads
 from distrepro.training.models import build_model
+from distrepro.training.runtime import set_threads
 
 
 def main() -> None:

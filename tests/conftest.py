@@ -208,7 +208,9 @@ def training_processes() -> list:
     """Training processes of this package that this test session started, still alive."""
     import psutil
 
-    names = ("distrepro.strategies.parameter_server", "distrepro.strategies.horovod")
+    from distrepro.strategies import REGISTRY
+
+    names = tuple(REGISTRY.values())
     alive = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])

@@ -9,7 +9,7 @@ import pytest
 from test_setup import V100, stand_in
 
 from distrepro.config import compose_config, memory_mb
-from distrepro.devices import assign_gpus, host_gpus, parameter_server_devices
+from distrepro.devices import assign_gpus, devices_of_tasks, host_gpus
 from distrepro.launch import ConfigError, validate
 from distrepro.processes import process_env
 
@@ -38,19 +38,19 @@ def test_more_gpus_than_the_machine_has_is_refused_naming_the_keys():
 
 def test_parameter_server_tasks_get_their_gpus_and_the_rest_none():
     placed = {"worker:0": "127.0.0.1", "worker:1": "127.0.0.1", "ps:0": "127.0.0.1"}
-    devices = parameter_server_devices(placed, 2, ["0", "1", "2", "3"])
+    devices = devices_of_tasks(placed, 2, ["0", "1", "2", "3"])
     assert {task: env["CUDA_VISIBLE_DEVICES"] for task, env in devices.items()} == {
         "worker:0": "0,1",
         "worker:1": "2,3",
         "ps:0": "",
         "coordinator": "",
     }
-    assert parameter_server_devices(placed, 1, []) == {}  # no GPU: nothing changes
+    assert devices_of_tasks(placed, 1, []) == {}  # no GPU: nothing changes
 
 
 def test_parameter_server_workers_number_their_gpus_on_their_own_host():
     placed = {"worker:0": "node1", "worker:1": "node2", "worker:2": "node2", "ps:0": "node1"}
-    devices = parameter_server_devices(placed, 1, ["0", "1"])
+    devices = devices_of_tasks(placed, 1, ["0", "1"])
     assert [devices[f"worker:{i}"]["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "0", "1"]
 
 

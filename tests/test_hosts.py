@@ -19,7 +19,7 @@ from test_training import PYTHON, launch_args
 
 from distrepro import hosts
 from distrepro.config import compose_config
-from distrepro.launch import ConfigError, validate_tf_config, validate_values
+from distrepro.launch import ConfigError, validate_values
 
 HOSTS_SH = str(REPO / "tests" / "hosts.sh")
 TASK = [PYTHON, "-m", "distrepro.strategies.parameter_server", "task"]
@@ -154,11 +154,18 @@ def test_bad_hosts_are_refused_naming_them(listed, named):
         validate_values(cfg)
 
 
-def test_a_launcher_under_another_tasks_tf_config_is_refused(monkeypatch):
-    task = {"cluster": {"worker": ["node2:2222"]}, "task": {"type": "worker", "index": 0}}
-    monkeypatch.setenv("TF_CONFIG", json.dumps(task))
-    with pytest.raises(ConfigError, match="names this process worker:0"):
-        validate_tf_config(compose_config(["strategy=parameter_server"]).strategy)
+@pytest.mark.parametrize(
+    "strategy, task, refusal",
+    [
+        ("parameter_server", {"type": "worker", "index": 0}, "names this process worker:0"),
+        ("horovod", {"type": "worker", "index": 0}, "horovodrun places the ranks"),
+    ],
+)
+def test_a_launcher_under_another_tasks_tf_config_is_refused(monkeypatch, strategy, task, refusal):
+    tf_config = {"cluster": {"worker": ["node2:2222"], "ps": ["node1:2223"]}, "task": task}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    with pytest.raises(ConfigError, match=refusal):
+        validate_values(compose_config([f"strategy={strategy}"]))
 
 
 def test_a_slurm_job_of_several_nodes_gives_the_hosts(tmp_path, monkeypatch):

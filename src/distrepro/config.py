@@ -16,6 +16,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from distrepro import strategies
+
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
@@ -24,9 +26,11 @@ class OnBadImage(Enum):
     skip = "skip"
 
 
-class StrategyName(Enum):
-    horovod = "horovod"
-    parameter_server = "parameter_server"
+StrategyName = Enum("StrategyName", {name: name for name in strategies.REGISTRY})
+
+
+class ConfigError(ValueError):
+    """A config that cannot train; the message names the key and value."""
 
 
 class PrecisionName(Enum):
@@ -70,7 +74,8 @@ class StrategyConfig:
     num_workers: int = 2
     num_ps: int = 0
     hosts: Optional[str] = None
-    controller: str = "gloo"
+    controller: str = "gloo"  # Horovod's: gloo or mpi
+    communication: str = "auto"  # TensorFlow's all-reduce: auto, ring or nccl
     fp16_allreduce: bool = False
     steps_per_call: int = 10
     gpus_per_worker: int = 0
@@ -169,6 +174,12 @@ def compose_many(override_lists: list[list[str]]) -> list[DictConfig]:
     return configs
 
 
+def load(path: Path | str) -> DictConfig:
+    """A run's saved config.yaml, in the schema the launcher validated it in
+    (the same types, enums and defaults)."""
+    return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+
+
 def to_plain(cfg: DictConfig) -> dict:
     """The resolved config without Hydra's own node, as plain data."""
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -210,7 +221,7 @@ def memory_mb(cfg: DictConfig) -> int:
     quarter of the blocks (ResNet-50 at 224 px: 205 MB an image). On a GPU
     they are in its memory, and the host keeps a few input batches."""
     strategy, model, size = cfg.strategy, cfg.model, cfg.data.image_size
-    processes = strategy.num_workers + strategy.num_ps + (strategy.name.value != "horovod")
+    processes = strategies.of(cfg).processes(cfg)
     per_worker = cfg.train.global_batch_size // strategy.num_workers
     if strategy.gpus_per_worker:
         per_image = 4 * 3 * size**2 * 4  # four batches of float pixels

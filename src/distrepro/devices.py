@@ -1,9 +1,10 @@
 """Which GPUs each training process may use: placement belongs to the strategy.
 
 Horovod: every rank uses the one GPU of its local rank (chosen inside the
-rank, see `training.core.use_gpu`). Parameter server: the i-th worker task of
-a host gets its `strategy.gpus_per_worker` GPUs through CUDA_VISIBLE_DEVICES;
-ps tasks and the coordinator get none. On a machine without GPUs nothing is set.
+rank, see `training.runtime.use_gpu`). Parameter server and TensorFlow's
+all-reduce: the i-th worker task of a host gets its `strategy.gpus_per_worker`
+GPUs through CUDA_VISIBLE_DEVICES; ps tasks and the coordinator get none. On a
+machine without GPUs nothing is set.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def assign_gpus(num_workers: int, gpus_per_worker: int, gpus: list[str]) -> list
     return [",".join(gpus[i * per : (i + 1) * per]) for i in range(num_workers)]
 
 
-def parameter_server_devices(
+def devices_of_tasks(
     placed: dict[str, str], gpus_per_worker: int, gpus: list[str]
 ) -> dict[str, dict[str, str]]:
     """Environment of each task ("worker:0", "ps:0", "coordinator") given the

@@ -20,9 +20,10 @@ from distrepro.atomic import write_json_atomically
 def evaluate(cfg: DictConfig) -> dict:
     import tensorflow as tf
 
-    from distrepro.training.core import Trainer, set_precision, use_gpu
     from distrepro.training.inputs import make_dataset, read_metadata
     from distrepro.training.models import build_model
+    from distrepro.training.recipe import Trainer
+    from distrepro.training.runtime import set_precision, use_gpu
 
     run_dir = Path(cfg.results_dir) / config.run_name(cfg)
     metrics = json.loads((run_dir / "metrics.json").read_text())

@@ -5,7 +5,6 @@ its checkpoint up to train.max_restarts times."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 import sys
@@ -16,34 +15,24 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from distrepro import hosts
-from distrepro.config import run_name, to_plain
+from distrepro import hosts, strategies
+from distrepro.config import ConfigError, run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus
-from distrepro.processes import (
-    DAMAGED_DATA,
-    TRACKING_BEHIND,
-    Restarts,
-    TrainingFailed,
-    end_with_parent,
-)
-from distrepro.strategies import horovod, parameter_server
-
-
-class ConfigError(ValueError):
-    """A config that cannot train; the message names the key and value."""
+from distrepro.handoff import DAMAGED_DATA, TRACKING_BEHIND
+from distrepro.processes import Restarts, TrainingFailed, end_with_parent
 
 
 def validate(cfg: DictConfig) -> None:
     validate_values(cfg)
     validate_devices(cfg.strategy)
     validate_data(cfg)
-    validate_tf_config(cfg.strategy)
 
 
 def validate_values(cfg: DictConfig) -> None:
-    """Refuse values that cannot train. The workflow checks every run's before
-    any job starts (on the machine that will run them: not the devices; before
-    the data is prepared: not the data)."""
+    """Refuse values that cannot train: the common ones here, the strategy's
+    own by its module. The workflow checks every run's before any job starts
+    (on the machine that will run them: not the devices; before the data is
+    prepared: not the data)."""
     train, strategy = cfg.train, cfg.strategy
     if train.epochs < 1:
         raise ConfigError(f"train.epochs={train.epochs} must be at least 1")
@@ -62,15 +51,12 @@ def validate_values(cfg: DictConfig) -> None:
             f"train.global_batch_size={train.global_batch_size} does not divide by "
             f"strategy.num_workers={strategy.num_workers}"
         )
-    if strategy.name.value == "parameter_server" and strategy.num_ps < 1:
-        raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
     if strategy.hosts:
         validate_hosts(strategy)
-    if strategy.elastic:
-        validate_elastic(strategy)
     scale = cfg.precision.loss_scale
     if scale != "dynamic" and not (is_number(scale) and float(scale) > 0):
         raise ConfigError(f"precision.loss_scale={scale!r} must be 'dynamic' or a positive number")
+    strategies.of(cfg).validate(cfg)
 
 
 def validate_profile_window(train: DictConfig, updates_per_epoch: int | None) -> None:
@@ -101,11 +87,10 @@ def validate_data(cfg: DictConfig) -> None:
         )
     if cfg.train.profile and not cfg.train.steps_per_epoch:
         images = json.loads((tfrecord_dir / "metadata.json").read_text())["splits"]["train"]
-        batch, calls = cfg.train.global_batch_size, 1
-        if cfg.strategy.name.value == "parameter_server":  # a worker's batch is an update
-            batch, calls = batch // cfg.strategy.num_workers, cfg.strategy.steps_per_call
-        updates = max(calls, images["images"] // batch // calls * calls)
-        validate_profile_window(cfg.train, updates)
+        strategy = strategies.of(cfg)
+        per_call = strategy.updates_per_call(cfg)
+        updates = max(per_call, images["images"] // strategy.images_per_update(cfg))
+        validate_profile_window(cfg.train, updates // per_call * per_call)
 
 
 def validate_hosts(strategy: DictConfig) -> None:
@@ -120,44 +105,8 @@ def validate_hosts(strategy: DictConfig) -> None:
         )
 
 
-def validate_tf_config(strategy: DictConfig) -> None:
-    """Under TF_CONFIG the launcher is the parameter-server cluster's chief
-    (the coordinator); its other tasks run `parameter_server task` on their hosts."""
-    if "TF_CONFIG" not in os.environ:
-        return
-    if strategy.name.value != "parameter_server":
-        raise ConfigError(f"TF_CONFIG is for strategy=parameter_server, not {strategy.name.value}")
-    task = json.loads(os.environ["TF_CONFIG"]).get("task", {})
-    if task.get("type") != "chief":
-        raise ConfigError(
-            f"TF_CONFIG names this process {task.get('type')}:{task.get('index')}: the launcher "
-            f"is the chief; start `python -m {parameter_server.MODULE} task` for the others"
-        )
-
-
-def validate_elastic(strategy: DictConfig) -> None:
-    if strategy.name.value != "horovod":
-        raise ConfigError("strategy.elastic=true is for strategy=horovod")
-    if strategy.controller != "gloo":
-        raise ConfigError(
-            f"strategy.elastic=true runs over Gloo, not strategy.controller={strategy.controller}"
-        )
-    if not 1 <= strategy.min_workers <= strategy.num_workers:
-        raise ConfigError(
-            f"strategy.min_workers={strategy.min_workers} must be between 1 and "
-            f"strategy.num_workers={strategy.num_workers}"
-        )
-    if strategy.commit_every < 1:
-        raise ConfigError(f"strategy.commit_every={strategy.commit_every} must be at least 1")
-
-
 def validate_devices(strategy: DictConfig) -> None:
     """Refuse, before anything starts, more GPUs than this machine has."""
-    if strategy.name.value == "horovod" and strategy.gpus_per_worker > 1:
-        raise ConfigError(
-            f"strategy.gpus_per_worker={strategy.gpus_per_worker}: Horovod uses one GPU per "
-            "rank; ask for more ranks (strategy.num_workers) instead"
-        )
     if strategy.gpus_per_worker and not strategy.hosts:
         try:
             assign_gpus(strategy.num_workers, strategy.gpus_per_worker, host_gpus())
@@ -185,12 +134,7 @@ def prepare_run_dir(cfg: DictConfig, overrides: list[str]) -> Path:
 def describe(cfg: DictConfig) -> str:
     """What launching cfg starts, in one line (shown by `snakemake -n`)."""
     strategy, train = cfg.strategy, cfg.train
-    if strategy.name.value == "horovod":
-        horovodrun = horovod.command(cfg, Path("config.yaml"))
-        options = horovodrun[1 : horovodrun.index(sys.executable)]
-        processes = shlex.join(["horovodrun", *options, "python", "-m", horovod.MODULE])
-    else:
-        processes = f"{strategy.num_ps} ps + {strategy.num_workers} workers + 1 coordinator"
+    processes = strategies.of(cfg).describe(cfg)
     if strategy.gpus_per_worker:
         gpus = strategy.num_workers * strategy.gpus_per_worker
         processes += f"; {gpus} GPUs, {strategy.gpus_per_worker} per worker"
@@ -216,7 +160,7 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
 
     ensure_experiment(cfg.mlflow_experiment)
     config_path = run_dir / "config.yaml"
-    run = horovod.run if cfg.strategy.name.value == "horovod" else parameter_server.run
+    run = strategies.of(cfg).run
     restarts = Restarts(cfg.train.max_restarts, run_dir)
     damaged = run_dir / DAMAGED_DATA
     damaged.unlink(missing_ok=True)
@@ -257,15 +201,11 @@ def main(cfg: DictConfig) -> None:
         run_dir = launch(cfg, list(HydraConfig.get().overrides.task))
     except (ConfigError, TrainingFailed) as error:
         raise SystemExit(f"launch: {error}") from None
-    print(
-        json.dumps(
-            {
-                k: v
-                for k, v in json.loads((run_dir / "metrics.json").read_text()).items()
-                if k != "history"
-            }
-        )
-    )
+    if not (run_dir / "metrics.json").exists():  # a host's own worker under TF_CONFIG
+        print(f"{run_dir}: this host's worker is done; the chief's host writes the metrics")
+        return
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
 
 
 if __name__ == "__main__":

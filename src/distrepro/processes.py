@@ -23,13 +23,7 @@ from omegaconf import DictConfig
 
 from distrepro.atomic import write_json_atomically
 from distrepro.devices import host_gpus
-
-# Written by a training process whose data is damaged: restarting cannot help.
-DAMAGED_DATA = "damaged_data.txt"
-# Present while a finished run's record has not reached the MLflow server.
-TRACKING_BEHIND = "mlflow_behind"
-# The launcher's terminal, where the chief draws its progress bar.
-TERMINAL = "DISTREPRO_TERMINAL"
+from distrepro.handoff import TERMINAL
 
 
 class TrainingFailed(RuntimeError):

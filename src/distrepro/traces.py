@@ -1,7 +1,9 @@
-"""Where a profiled window's time went, read from Horovod's timeline (Chrome
-trace events, one "process" per tensor): the share of the window in which any
+"""Where a profiled window's time went. From Horovod's timeline (Chrome trace
+events, one "process" per tensor): the share of the window in which any
 tensor was being allreduced, and in which any was still being negotiated
-(waiting until every rank has produced it)."""
+(waiting until every rank has produced it). From TensorFlow's profiler
+traces: a parameter-server worker's waiting, and the share of TensorFlow's
+own all-reduce."""
 
 from __future__ import annotations
 
@@ -50,29 +52,59 @@ def exchange_shares(path: Path) -> dict[str, float]:
     return {share: covered(intervals[phase]) / window for phase, share in PHASES.items()}
 
 
-def worker_wait_share(xplane: Path) -> float:
-    """From a parameter-server worker's profiler trace: the share of the time
-    its step functions ran in which none of its compute threads ran a kernel
-    other than sending to the ps, that is, waited for variables to arrive
-    from the ps tasks (or for its input, or for a core). nan when the trace
-    holds no whole step function."""
+def xplane_events(xplane: Path):
+    """(thread, event name, begin, end) of a TensorFlow profiler trace, in ps."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
     space.ParseFromString(xplane.read_bytes())
-    functions, kernels = [], []
     for plane in space.planes:
         for line in plane.lines:
             for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
                 begin = line.timestamp_ns * 1000 + event.offset_ps
-                interval = (begin, begin + event.duration_ps)
-                if name == "KernelAndDeviceFunc::Run":
-                    functions.append(interval)
-                elif line.name.startswith("tf_Compute") and ":" in name and "_Send" not in name:
-                    kernels.append(interval)
+                name = plane.event_metadata[event.metadata_id].name
+                yield line.name, name, begin, begin + event.duration_ps
+
+
+STEP_FUNCTION = "KernelAndDeviceFunc::Run"
+
+
+def share_of_step_functions(xplane: Path, is_part) -> float:
+    """The share of the time the trace's whole step functions ran that is
+    covered by events for which is_part(thread, name); nan when the trace
+    holds no whole step function."""
+    functions, parts = [], []
+    for thread, name, begin, end in xplane_events(xplane):
+        if name == STEP_FUNCTION:
+            functions.append((begin, end))
+        elif is_part(thread, name):
+            parts.append((begin, end))
     if not functions:
         return float("nan")
     first, last = min(b for b, _ in functions), max(e for _, e in functions)
-    inside = [(b, e) for b, e in kernels if first <= b and e <= last]
-    return max(0.0, 1 - covered(inside) / covered(functions))
+    inside = [(b, e) for b, e in parts if first <= b and e <= last]
+    return min(1.0, covered(inside) / covered(functions))
+
+
+def worker_wait_share(xplane: Path) -> float:
+    """From a parameter-server worker's profiler trace: the share of the time
+    its step functions ran in which none of its compute threads ran a kernel
+    other than sending to the ps, that is, waited for variables to arrive
+    from the ps tasks (or for its input, or for a core)."""
+
+    def computing(thread: str, name: str) -> bool:
+        return thread.startswith("tf_Compute") and ":" in name and "_Send" not in name
+
+    return max(0.0, 1 - share_of_step_functions(xplane, computing))
+
+
+COLLECTIVES = ("CollectiveReduce", "NcclAllReduce")
+
+
+def collective_share(xplane: Path) -> float:
+    """From the chief's profiler trace of TensorFlow's own all-reduce
+    (MultiWorkerMirroredStrategy): the share of the time its step functions
+    ran in which a gradient was being all-reduced."""
+    return share_of_step_functions(
+        xplane, lambda thread, name: any(op in name for op in COLLECTIVES)
+    )

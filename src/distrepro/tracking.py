@@ -22,10 +22,9 @@ import requests
 import yaml
 from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
-from omegaconf import OmegaConf
 
-from distrepro.config import flatten, setting_name
-from distrepro.processes import TRACKING_BEHIND
+from distrepro.config import flatten, setting_name, to_plain
+from distrepro.handoff import TRACKING_BEHIND
 from distrepro.traces import PHASES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +73,10 @@ def ensure_experiment(name: str) -> str:
     experiment = mlflow.get_experiment_by_name(name)
     tags = {EXPERIMENT_KIND: MODEL_TRAINING, RUNS_VIEW_TAG: runs_view()}
     if experiment is None:
-        return mlflow.create_experiment(name, tags=tags)
+        try:
+            return mlflow.create_experiment(name, tags=tags)
+        except MlflowException:  # created meanwhile, by another host's launcher
+            experiment = mlflow.get_experiment_by_name(name)
     for key, value in tags.items():
         if experiment.tags.get(key) != value:
             mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, key, value)
@@ -119,31 +121,39 @@ def versions() -> dict[str, str]:
     return found
 
 
-def start_run(plain_cfg: dict, run_dir: Path, extra_params: dict) -> str:
-    """Start the run, or resume it when run_dir already names one."""
+def active() -> str | None:
+    """The id of this process's active MLflow run, if any."""
+    run = mlflow.active_run()
+    return run.info.run_id if run else None
+
+
+def start_run(cfg, run_dir: Path, extra_params: dict) -> str:
+    """Start the run of a composed or loaded cfg, or resume it when run_dir
+    already names one."""
+    plain = to_plain(cfg)
     id_file = run_dir / "mlflow_run_id"
-    experiment_id = ensure_experiment(plain_cfg["mlflow_experiment"])
+    experiment_id = ensure_experiment(plain["mlflow_experiment"])
     mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
     if id_file.exists():
         run_id = id_file.read_text().strip()
         return mlflow.start_run(run_id=run_id, log_system_metrics=True).info.run_id
     tags = {
-        "strategy": plain_cfg["strategy"]["name"],
+        "strategy": plain["strategy"]["name"],
         "git_commit": git_commit(),
-        "dvc_tfrecords_md5": dvc_hash(plain_cfg["data"]["tfrecord_dir"]),
+        "dvc_tfrecords_md5": dvc_hash(plain["data"]["tfrecord_dir"]),
         "hardware": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or '?'}",
         "command": (run_dir / "command").read_text().strip(),
         **versions(),
     }
-    tags |= {"seed": str(plain_cfg["seed"]), "setting": setting_name(OmegaConf.create(plain_cfg))}
-    parent = plain_cfg.get("mlflow_parent_run_id")
+    tags |= {"seed": str(plain["seed"]), "setting": setting_name(cfg)}
+    parent = plain.get("mlflow_parent_run_id")
     if parent:
         tags["mlflow.parentRunId"] = parent
     run = mlflow.start_run(
         experiment_id=experiment_id, run_name=run_dir.name, tags=tags, log_system_metrics=True
     )
-    mlflow.log_params({**flatten(plain_cfg), **extra_params})
-    log_dataset(plain_cfg["data"], [run.info.run_id, parent])
+    mlflow.log_params({**flatten(plain), **extra_params})
+    log_dataset(plain["data"], [run.info.run_id, parent])
     mlflow.log_artifact(str(run_dir / "config.yaml"))
     id_file.write_text(run.info.run_id)
     restarts = run_dir / "restarts.json"

@@ -15,8 +15,9 @@ from distrepro.config import (
     setting_name,
 )
 from distrepro.launch import ConfigError, describe, validate_values
+from distrepro.strategies import REGISTRY
 
-STRATEGIES = ["parameter_server", "horovod"]
+STRATEGIES = list(REGISTRY)
 SEEDS = (
     list(range(config["seeds"]))
     if isinstance(config["seeds"], int)
@@ -34,7 +35,7 @@ def group_id(*parts):
 
 
 def sweep_points():
-    """Hydra's sweep grammar, several keys -> their product; both strategies
+    """Hydra's sweep grammar, several keys -> their product; every strategy
     and every seed unless the sweep names them."""
     parsed = OverridesParser.create().parse_overrides(shlex.split(config["sweep"]))
     axes = [

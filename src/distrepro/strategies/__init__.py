@@ -1,2 +1,41 @@
-"""One module per strategy, each with its whole distribution concern: how its
-processes are started and supervised, and what each process does."""
+"""The strategies, one module each (`distrepro.strategies.<name>`), each
+holding its whole distribution concern behind one interface:
+
+Launcher side (importing no TensorFlow):
+    validate(cfg)                   refuse what it cannot run (config.ConfigError)
+    processes(cfg) -> int           how many processes a run starts
+    images_per_update(cfg) -> int   images one update of the variables takes
+    updates_per_call(cfg) -> int    updates scheduled together (1, or more)
+    describe(cfg) -> str            what a launch starts, in one line
+    run(cfg, config_path, restarts) -> str | None
+                                    start and supervise the processes once;
+                                    why they failed, or None
+
+Training-process side: its `Distribution` (training.distribution), which the
+shared process setup and training loop drive.
+
+Nothing else names a strategy: the registry below maps `strategy.name` to
+its module, and says which runs the report compares."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+REGISTRY = {
+    "parameter_server": "distrepro.strategies.parameter_server",
+    "horovod": "distrepro.strategies.horovod",
+}
+# The seed's "standard TensorFlow distributed training", which every other
+# strategy is compared with.
+BASELINE = "parameter_server"
+COMPARED = [(name, BASELINE) for name in REGISTRY if name != BASELINE]
+
+
+def module(name: str) -> ModuleType:
+    return importlib.import_module(REGISTRY[name])
+
+
+def of(cfg) -> ModuleType:
+    """The module of cfg's strategy."""
+    return module(cfg.strategy.name.value)

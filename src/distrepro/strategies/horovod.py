@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import socket
 import sys
 from pathlib import Path
 
 from horovod.common.elastic import ObjectState
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from distrepro import hosts
+from distrepro.config import ConfigError
 from distrepro.processes import Restarts, process_env, start, stop
+from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.horovod"
 DISCOVERY_SCRIPT = "discover_hosts.sh"
@@ -77,11 +80,60 @@ def command(cfg: DictConfig, config_path: Path) -> list[str]:
     return [*horovodrun, *elastic, controller, *program]
 
 
+def validate(cfg: DictConfig) -> None:
+    strategy = cfg.strategy
+    if "TF_CONFIG" in os.environ:
+        raise ConfigError("TF_CONFIG is for TensorFlow's strategies; horovodrun places the ranks")
+    if strategy.controller not in ("gloo", "mpi"):
+        raise ConfigError(f"strategy.controller={strategy.controller} must be gloo or mpi")
+    if strategy.gpus_per_worker > 1:
+        raise ConfigError(
+            f"strategy.gpus_per_worker={strategy.gpus_per_worker}: Horovod uses one GPU per "
+            "rank; ask for more ranks (strategy.num_workers) instead"
+        )
+    if not strategy.elastic:
+        return
+    if strategy.controller != "gloo":
+        raise ConfigError(
+            f"strategy.elastic=true runs over Gloo, not strategy.controller={strategy.controller}"
+        )
+    if not 1 <= strategy.min_workers <= strategy.num_workers:
+        raise ConfigError(
+            f"strategy.min_workers={strategy.min_workers} must be between 1 and "
+            f"strategy.num_workers={strategy.num_workers}"
+        )
+    if strategy.commit_every < 1:
+        raise ConfigError(f"strategy.commit_every={strategy.commit_every} must be at least 1")
+
+
+def processes(cfg: DictConfig) -> int:
+    return cfg.strategy.num_workers
+
+
+def images_per_update(cfg: DictConfig) -> int:
+    return cfg.train.global_batch_size
+
+
+def updates_per_call(cfg: DictConfig) -> int:
+    return 1
+
+
+def describe(cfg: DictConfig) -> str:
+    horovodrun = command(cfg, Path("config.yaml"))
+    options = horovodrun[1 : horovodrun.index(sys.executable)]
+    return shlex.join(["horovodrun", *options, "python", "-m", MODULE])
+
+
 def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
     """Run the job once; return why it failed, or None."""
     if cfg.strategy.elastic:
         write_discovery_script(cfg, config_path.parent)
-    proc = start(command(cfg, config_path), process_env(cfg))
+    env = process_env(cfg)
+    if cfg.train.profile:
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # hvd.start_timeline() records the window
+    if cfg.strategy.controller == "mpi" and os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    proc = start(command(cfg, config_path), env)
     try:
         code = proc.wait()
     finally:
@@ -136,132 +188,113 @@ def gpu_index(cfg: DictConfig, local_rank: int) -> int:
     return offset + local_rank
 
 
-def rank_main(config_path: str) -> None:
-    """One rank: init, pin a GPU, wrap the tape, train; the chief (rank 0) logs."""
-    import horovod.tensorflow as hvd
-    import mlflow
-    import tensorflow as tf
+class HorovodDistribution(Distribution):
+    """A rank: averages its gradients with the others' (DistributedGradientTape),
+    starts from rank 0's variables, reads its own shard of the data."""
 
-    from distrepro import tracking
-    from distrepro.training import core
-    from distrepro.training.inputs import make_dataset, read_metadata
-    from distrepro.training.models import build_model
+    def __init__(self, cfg, run_dir):
+        import horovod.tensorflow as hvd
 
-    cfg = OmegaConf.load(config_path)
-    run_dir = Path(config_path).parent
-    hvd.init()
-    # Without strategy.hosts every rank is on this machine (elastic: under two names).
-    threads = core.set_threads(hvd.local_size() if cfg.strategy.hosts else cfg.strategy.num_workers)
-    gpu = gpu_index(cfg, hvd.local_rank()) if cfg.strategy.gpus_per_worker else None
-    device = f"rank {hvd.rank()} on {socket.gethostname()}: {core.use_gpu(gpu)}"
-    core.set_precision(cfg.precision.name)
-    core.set_seed(cfg)
-    metadata = read_metadata(cfg.data.tfrecord_dir)
-    global_batch = cfg.train.global_batch_size
-    updates = core.epoch_plan(cfg, metadata["splits"]["train"]["images"], global_batch)
+        super().__init__(cfg, run_dir)
+        hvd.init()
+        self.hvd = hvd
+        self.is_chief = hvd.rank() == 0
+        self.images_per_update = cfg.train.global_batch_size
+        self.shard = {}
 
-    model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
-    peak = core.peak_learning_rate(cfg.train, global_batch)
-    optimizer = core.make_optimizer(cfg, peak, updates)
-    trainer = core.Trainer(cfg, model, optimizer, metadata["num_classes"])
-    files = core.RunFiles(run_dir, model, optimizer, is_chief=hvd.rank() == 0)
-    compression = hvd.Compression.fp16 if cfg.strategy.fp16_allreduce else hvd.Compression.none
+    def processes_on_host(self) -> int:
+        # Without strategy.hosts every rank is on this machine (elastic: under two names).
+        return self.hvd.local_size() if self.cfg.strategy.hosts else self.cfg.strategy.num_workers
 
-    @tf.function
-    def train_step(images, labels):
-        return trainer.step(
-            images, labels, lambda tape: hvd.DistributedGradientTape(tape, compression=compression)
+    def gpu(self) -> int | None:
+        if not self.cfg.strategy.gpus_per_worker:
+            return None
+        return gpu_index(self.cfg, self.hvd.local_rank())
+
+    def prepare(self, trainer) -> None:
+        import tensorflow as tf
+
+        hvd = self.hvd
+        compression = (
+            hvd.Compression.fp16 if self.cfg.strategy.fp16_allreduce else hvd.Compression.none
         )
+        self.trainer = trainer
 
-    shard = {}
+        @tf.function
+        def train_step(images, labels):
+            wrap = lambda tape: hvd.DistributedGradientTape(tape, compression=compression)  # noqa: E731
+            return trainer.step(images, labels, wrap)
 
-    def reshard() -> None:
+        self.train_step = train_step
+        if not self.cfg.strategy.elastic:
+            hvd.broadcast_variables(trainer.model.variables, root_rank=0)
+            self.reshard()
+
+    def reshard(self) -> None:
         """This rank's share of the data. An elastic run keeps the global batch
         (and so the learning rate) for any number of ranks, leaving out the
         remainder of a batch they do not divide."""
-        rank, size = hvd.rank(), hvd.size()
-        per_rank = global_batch // size
-        train = make_dataset(cfg.data, "train", per_rank, rank, size, cfg.seed)
-        shard["train"] = iter(train)
-        shard["validation"] = make_dataset(cfg.data, "validation", per_rank, rank, size)
+        from distrepro.training.inputs import make_dataset
 
-    def run_updates(count: int) -> None:
+        cfg, rank, size = self.cfg, self.hvd.rank(), self.hvd.size()
+        per_rank = cfg.train.global_batch_size // size
+        self.shard["train"] = iter(make_dataset(cfg.data, "train", per_rank, rank, size, cfg.seed))
+        self.shard["validation"] = make_dataset(cfg.data, "validation", per_rank, rank, size)
+
+    def run_updates(self, count: int) -> None:
         for _ in range(count):
-            train_step(*next(shard["train"]))
+            self.train_step(*next(self.shard["train"]))
 
-    def count_correct():
-        return hvd.allreduce(trainer.count_correct(shard["validation"]), op=hvd.Sum)
-
-    def track(devices: list[str]) -> None:
-        """Start (or, on a new chief, resume) the MLflow run on rank 0."""
-        if hvd.rank() == 0 and mlflow.active_run() is None:
-            extra = {
-                "threads_per_process": threads,
-                "ranks": hvd.size(),
-                "devices": "; ".join(devices),
-                "peak_learning_rate": peak,
-            }
-            tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
-
-    warmup = min(cfg.train.warmup_steps_excluded, updates - 1)
-    profile = None
-    if cfg.train.profile:
-        timeline = str(run_dir / core.PROFILE_DIR / core.HOROVOD_TIMELINE)
-        start_timeline = lambda seconds: hvd.start_timeline(timeline)  # noqa: E731
-        profile = core.Profile(cfg, files, start_timeline, hvd.stop_timeline)
-
-    def train(progress: core.Progress, stride: int | None = None) -> list[dict]:
-        return core.train_loop(
-            cfg,
-            trainer,
-            files,
-            run_updates,
-            count_correct,
-            global_batch,
-            updates,
-            warmup,
-            hvd.size,
-            progress,
-            stride or core.progress_stride(updates),
-            profile,
+    def count_correct(self):
+        return self.hvd.allreduce(
+            self.trainer.count_correct(self.shard["validation"]), op=self.hvd.Sum
         )
 
-    if cfg.strategy.elastic:
-        history = train_elastic(cfg, files, trainer, train, reshard, lambda: track([device]))
-    else:
-        track(hvd.allgather_object(device))
-        hvd.broadcast_variables(model.variables, root_rank=0)
-        reshard()
-        history = train(core.Progress(files.restore()))
-    if hvd.rank() == 0:
-        core.finish(cfg, files, history, mlflow.active_run().info.run_id)
+    def workers(self) -> int:
+        return self.hvd.size()
 
+    def params(self, device: str) -> dict:
+        mine = f"rank {self.hvd.rank()} on {socket.gethostname()}: {device}"
+        # An elastic run's ranks may not all be there: each says only its own.
+        devices = [mine] if self.cfg.strategy.elastic else self.hvd.allgather_object(mine)
+        return {"ranks": self.hvd.size(), "devices": "; ".join(devices)}
 
-def train_elastic(cfg, files, trainer, train, reshard, track) -> list[dict]:
-    """Train as ranks come and go. After a failure the ranks left restore
-    their last commit; when a host rejoins, the next commit stops every rank.
-    Either way they start again from the commit, resharded for their number
-    (the global batch, and so the learning rate, stays as configured)."""
-    import horovod.tensorflow as hvd
+    def profile(self, files):
+        from distrepro.training.files import HOROVOD_TIMELINE, PROFILE_DIR, Profile
 
-    from distrepro.training import core
+        timeline = str(files.run_dir / PROFILE_DIR / HOROVOD_TIMELINE)
+        start_timeline = lambda seconds: self.hvd.start_timeline(timeline)  # noqa: E731
+        return Profile(self.cfg, files, start_timeline, self.hvd.stop_timeline)
 
-    trainer.optimizer.build(trainer.model.trainable_variables)
-    optimizer_variables = trainer.optimizer.variables
-    if callable(optimizer_variables):  # LossScaleOptimizer's is a method
-        optimizer_variables = optimizer_variables()
-    variables = trainer.model.variables + list(optimizer_variables)
-    state = ElasticState(variables, **vars(core.Progress(files.restore())))
+    def train(self, train, track, files) -> list[dict]:
+        if not self.cfg.strategy.elastic:
+            return super().train(train, track, files)
+        return self.train_elastic(train, track, files)
 
-    @hvd.elastic.run
-    def train_from(state: ElasticState) -> list[dict]:
-        files.is_chief = hvd.rank() == 0
-        track()
-        reshard()
-        return train(state, cfg.strategy.commit_every)
+    def train_elastic(self, train, track, files) -> list[dict]:
+        """Train as ranks come and go. After a failure the ranks left restore
+        their last commit; when a host rejoins, the next commit stops every rank.
+        Either way they start again from the commit, resharded for their number
+        (the global batch, and so the learning rate, stays as configured)."""
+        from distrepro.training.loop import Progress
 
-    return train_from(state)
+        hvd, trainer = self.hvd, self.trainer
+        trainer.optimizer.build(trainer.model.trainable_variables)
+        optimizer_variables = trainer.optimizer.variables
+        if callable(optimizer_variables):  # LossScaleOptimizer's is a method
+            optimizer_variables = optimizer_variables()
+        variables = trainer.model.variables + list(optimizer_variables)
+        state = ElasticState(variables, **vars(Progress(files.restore())))
+
+        @hvd.elastic.run
+        def train_from(state: ElasticState) -> list[dict]:
+            self.is_chief = files.is_chief = hvd.rank() == 0
+            track()
+            self.reshard()
+            return train(state, self.cfg.strategy.commit_every)
+
+        return train_from(state)
 
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1])
+    main(sys.argv[1], HorovodDistribution)

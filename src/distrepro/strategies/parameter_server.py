@@ -24,13 +24,50 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from distrepro import hosts
-from distrepro.devices import host_gpus, parameter_server_devices
+from distrepro.config import ConfigError
+from distrepro.devices import devices_of_tasks, host_gpus
 from distrepro.processes import Restarts, free_ports, process_env, start, stop
+from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.parameter_server"
+
+
+def validate(cfg: DictConfig) -> None:
+    """strategy.num_ps, and under TF_CONFIG a launcher that is the cluster's
+    chief (the coordinator); its other tasks run `parameter_server task` on
+    their hosts."""
+    if cfg.strategy.num_ps < 1:
+        raise ConfigError(f"strategy.num_ps={cfg.strategy.num_ps} must be at least 1")
+    if cfg.strategy.elastic:
+        raise ConfigError("strategy.elastic=true is for strategy=horovod")
+    if "TF_CONFIG" not in os.environ:
+        return
+    task = json.loads(os.environ["TF_CONFIG"]).get("task", {})
+    if task.get("type") != "chief":
+        raise ConfigError(
+            f"TF_CONFIG names this process {task.get('type')}:{task.get('index')}: the launcher "
+            f"is the chief; start `python -m {MODULE} task` for the others"
+        )
+
+
+def processes(cfg: DictConfig) -> int:
+    return cfg.strategy.num_workers + cfg.strategy.num_ps + 1  # and the coordinator
+
+
+def images_per_update(cfg: DictConfig) -> int:
+    """Asynchronous: each worker's update is one batch of its own."""
+    return cfg.train.global_batch_size // cfg.strategy.num_workers
+
+
+def updates_per_call(cfg: DictConfig) -> int:
+    return cfg.strategy.steps_per_call
+
+
+def describe(cfg: DictConfig) -> str:
+    return f"{cfg.strategy.num_ps} ps + {cfg.strategy.num_workers} workers + 1 coordinator"
 
 
 def supervise(
@@ -81,7 +118,7 @@ def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
         job: [f"{placed[name]}:{ports[name]}" for name in placed if name.startswith(job)]
         for job in ("worker", "ps")
     }
-    devices = parameter_server_devices(placed, cfg.strategy.gpus_per_worker, host_gpus())
+    devices = devices_of_tasks(placed, cfg.strategy.gpus_per_worker, host_gpus())
     env = {
         **process_env(cfg),
         "DISTREPRO_CLUSTER": json.dumps(cluster),
@@ -114,7 +151,7 @@ def task_main(job: str, index: int, threads: int) -> None:
     cluster = cluster_resolver().cluster_spec()
     for gpu in tf.config.list_physical_devices("GPU"):  # those CUDA_VISIBLE_DEVICES gives
         tf.config.experimental.set_memory_growth(gpu, True)
-    # One inter-op thread more than the share, as in training.core.set_threads.
+    # One inter-op thread more than the share, as in training.runtime.set_threads.
     config = tf.compat.v1.ConfigProto(
         intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads + 1
     )
@@ -158,123 +195,103 @@ def task_hosts(cluster_spec) -> str:
     return "; ".join([*where, f"coordinator on {socket.gethostname()}"])
 
 
-def worker_profile(cfg, files, steps_per_call: int):
-    """The profiled window (in whole calls): the coordinator's trace, and the
-    worker tasks', whose gRPC servers serve TensorFlow's profiler. The
-    workers' trace goes on after the window while training does; the threads
-    that take it are returned, to be joined before the run finishes."""
-    import threading
+class Coordinator(Distribution):
+    """The coordinator (the chief): builds the variables on the ps tasks and
+    schedules calls of strategy.steps_per_call asynchronous updates on the
+    workers (ClusterCoordinator), each worker reading its own shards."""
 
-    import tensorflow as tf
+    def __init__(self, cfg, run_dir):
+        super().__init__(cfg, run_dir)
+        self.images_per_update = images_per_update(cfg)
+        self.updates_per_call = updates_per_call(cfg)
+        self.tracing = []  # threads taking the workers' trace, joined at the end
 
-    from distrepro.training import core
+    def processes_on_host(self) -> int:
+        return processes(self.cfg)
 
-    workers = cluster_resolver().cluster_spec().job_tasks("worker")
-    addresses = ",".join(f"grpc://{address}" for address in workers)
-    folder = str(files.run_dir / core.PROFILE_DIR / core.WORKER_TRACES)
-    tracing = []
+    def connect(self) -> None:
+        import tensorflow as tf
 
-    def trace(milliseconds: int) -> None:
-        try:
-            tf.profiler.experimental.client.trace(addresses, folder, milliseconds)
-        except tf.errors.OpError as error:  # the run goes on without the workers' trace
-            print(f"profile: no trace of the workers: {error.message}", flush=True)
+        self.resolver = cluster_resolver()
+        self.strategy = tf.distribute.experimental.ParameterServerStrategy(self.resolver)
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self.strategy)
 
-    def start(seconds: float) -> None:
-        # Three times the window, at least 2 s: the calls run ahead of the
-        # coordinator, and only those that start and end within the trace count.
-        milliseconds = max(2000, int(3000 * seconds))
-        tracing.append(threading.Thread(target=trace, args=(milliseconds,)))
-        tracing[0].start()
+    def scope(self):
+        return self.strategy.scope()
 
-    return core.Profile(cfg, files, start, multiple=steps_per_call), tracing
+    def prepare(self, trainer) -> None:
+        import tensorflow as tf
 
+        from distrepro.training.inputs import make_dataset
 
-def coordinator_main(config_path: str) -> None:
-    """The coordinator: builds the model on the ps tasks, schedules steps on the workers."""
-    import tensorflow as tf
+        cfg, strategy, per_worker = self.cfg, self.strategy, self.images_per_update
 
-    from distrepro import tracking
-    from distrepro.training import core
-    from distrepro.training.inputs import make_dataset, read_metadata
-    from distrepro.training.models import build_model
+        def dataset_fn(context: tf.distribute.InputContext):
+            pipeline, pipelines = context.input_pipeline_id, context.num_input_pipelines
+            return make_dataset(cfg.data, "train", per_worker, pipeline, pipelines, cfg.seed)
 
-    cfg = OmegaConf.load(config_path)
-    run_dir = Path(config_path).parent
-    threads = core.set_threads(cfg.strategy.num_workers + cfg.strategy.num_ps + 1)
-    core.set_precision(cfg.precision.name)
-    core.set_seed(cfg)
-    metadata = read_metadata(cfg.data.tfrecord_dir)
-    per_worker = cfg.train.global_batch_size // cfg.strategy.num_workers
-    steps_per_call = cfg.strategy.steps_per_call
-    updates = core.epoch_plan(cfg, metadata["splits"]["train"]["images"], per_worker)
-    updates = max(steps_per_call, updates // steps_per_call * steps_per_call)
+        def per_worker_dataset_fn():
+            return strategy.distribute_datasets_from_function(dataset_fn)
 
-    resolver = cluster_resolver()
-    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
-    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
-        # Asynchronous: each worker's update is one batch of per_worker images.
-        peak = core.peak_learning_rate(cfg.train, per_worker)
-        optimizer = core.make_optimizer(cfg, peak, updates)
-        trainer = core.Trainer(cfg, model, optimizer, metadata["num_classes"])
-    files = core.RunFiles(run_dir, model, optimizer, is_chief=True)
+        batches = iter(self.coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+        self.val_batches = make_dataset(cfg.data, "validation", per_worker)
+        self.trainer, self.batches = trainer, batches
 
-    def dataset_fn(context: tf.distribute.InputContext):
-        return make_dataset(
-            cfg.data,
-            "train",
-            per_worker,
-            context.input_pipeline_id,
-            context.num_input_pipelines,
-            cfg.seed,
-        )
+        @tf.function
+        def train_steps(iterator):
+            for _ in tf.range(self.updates_per_call):
+                strategy.run(trainer.step, args=next(iterator))
 
-    def per_worker_dataset_fn():
-        return strategy.distribute_datasets_from_function(dataset_fn)
+        self.train_steps = train_steps
 
-    train_batches = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
-    val_batches = make_dataset(cfg.data, "validation", per_worker)
+    def run_updates(self, count: int) -> None:
+        for _ in range(-(-count // self.updates_per_call)):
+            self.coordinator.schedule(self.train_steps, args=(self.batches,))
+        self.coordinator.join()
 
-    @tf.function
-    def train_steps(iterator):
-        for _ in tf.range(steps_per_call):
-            strategy.run(trainer.step, args=next(iterator))
+    def count_correct(self):
+        return self.trainer.count_correct(self.val_batches)
 
-    def run_updates(count: int) -> None:
-        for _ in range(-(-count // steps_per_call)):
-            coordinator.schedule(train_steps, args=(train_batches,))
-        coordinator.join()
+    def params(self, device: str) -> dict:
+        return {
+            "steps_per_call": self.updates_per_call,
+            "devices": task_devices(),
+            "hosts": task_hosts(self.resolver.cluster_spec()),
+        }
 
-    extra = {
-        "threads_per_process": threads,
-        "steps_per_call": steps_per_call,
-        "devices": task_devices(),
-        "hosts": task_hosts(resolver.cluster_spec()),
-        "peak_learning_rate": peak,
-    }
-    run_id = tracking.start_run(OmegaConf.to_container(cfg), run_dir, extra)
-    warmup = -(-cfg.train.warmup_steps_excluded // steps_per_call) * steps_per_call
-    profile, tracing = None, []
-    if cfg.train.profile:
-        profile, tracing = worker_profile(cfg, files, steps_per_call)
-    history = core.train_loop(
-        cfg,
-        trainer,
-        files,
-        run_updates,
-        lambda: trainer.count_correct(val_batches),
-        per_worker,
-        updates,
-        min(warmup, updates - steps_per_call),
-        lambda: cfg.strategy.num_workers,
-        stride=core.progress_stride(updates, steps_per_call),
-        profile=profile,
-    )
-    for thread in tracing:
-        thread.join()  # the workers' trace, which finish() reads
-    core.finish(cfg, files, history, run_id)
+    def profile(self, files):
+        """The profiled window (in whole calls): the coordinator's trace, and the
+        worker tasks', whose gRPC servers serve TensorFlow's profiler. The
+        workers' trace goes on after the window while training does; end()
+        joins it before the run finishes."""
+        import threading
+
+        import tensorflow as tf
+
+        from distrepro.training.files import PROFILE_DIR, WORKER_TRACES, Profile
+
+        workers = self.resolver.cluster_spec().job_tasks("worker")
+        addresses = ",".join(f"grpc://{address}" for address in workers)
+        folder = str(files.run_dir / PROFILE_DIR / WORKER_TRACES)
+
+        def trace(milliseconds: int) -> None:
+            try:
+                tf.profiler.experimental.client.trace(addresses, folder, milliseconds)
+            except tf.errors.OpError as error:  # the run goes on without the workers' trace
+                print(f"profile: no trace of the workers: {error.message}", flush=True)
+
+        def start(seconds: float) -> None:
+            # Three times the window, at least 2 s: the calls run ahead of the
+            # coordinator, and only those that start and end within the trace count.
+            milliseconds = max(2000, int(3000 * seconds))
+            self.tracing.append(threading.Thread(target=trace, args=(milliseconds,)))
+            self.tracing[0].start()
+
+        return Profile(self.cfg, files, start, multiple=self.updates_per_call)
+
+    def end(self) -> None:
+        for thread in self.tracing:
+            thread.join()  # the workers' trace, which finish() reads
 
 
 if __name__ == "__main__":
@@ -284,4 +301,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "task":
         task_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
-        coordinator_main(sys.argv[2])
+        main(sys.argv[2], Coordinator)

@@ -1,1 +1,2 @@
-"""The training core shared by both strategies, and the two strategies."""
+"""What every strategy's training process shares: runtime setup, recipe, run
+files and the loop; and the Distribution that a strategy implements."""

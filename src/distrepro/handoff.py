@@ -1,0 +1,9 @@
+"""What the launcher and the training processes hand each other, besides the
+run's config.yaml: files in the run directory and environment variables."""
+
+# Written by a training process whose data is damaged: restarting cannot help.
+DAMAGED_DATA = "damaged_data.txt"
+# Present while a finished run's record has not reached the MLflow server.
+TRACKING_BEHIND = "mlflow_behind"
+# The launcher's terminal, where the chief draws its progress bar.
+TERMINAL = "DISTREPRO_TERMINAL"
