@@ -26,20 +26,19 @@ from pathlib import Path
 
 import psutil
 
+from distrepro.strategies import REGISTRY
+
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = {
-    "parameter_server": ["strategy=parameter_server"],
-    "horovod": ["strategy=horovod"],
-    "horovod_elastic": ["strategy=horovod", "strategy.elastic=true"],
-}
+SETTINGS = {name: [f"strategy={name}"] for name in REGISTRY}
+SETTINGS["horovod_elastic"] = ["strategy=horovod", "strategy.elastic=true"]
 
 
 def is_victim(strategy: str, cmdline: list[str]) -> bool:
-    """Parameter-server worker task 1, or a Horovod rank."""
+    """A worker of the strategy: a process of its module that is neither a
+    parameter-server ps task nor the coordinator."""
     module = cmdline[2] if cmdline[1:2] == ["-m"] else ""
-    if strategy == "parameter_server":
-        return module.endswith("parameter_server") and cmdline[3:6] == ["task", "worker", "1"]
-    return module.endswith("strategies.horovod")
+    role = cmdline[3:5]
+    return module == REGISTRY[strategy] and role != ["task", "ps"] and "coordinator" not in role
 
 
 def victim(strategy: str, launcher: subprocess.Popen) -> psutil.Process:

@@ -2,8 +2,8 @@
 
 ResNet-50 at 224 px, mixed fp16, 256 images per GPU, a few hundred steps of
 each strategy on all of this machine's GPUs, on ImageNet-shaped TFRecords of
-generated photos. Prints img/s per GPU, the Horovod/PS ratio and the GPU each
-training process used as `nvidia-smi` saw it.
+generated photos. Prints img/s per GPU of every strategy, the ratios the
+report compares, and the GPU each training process used as `nvidia-smi` saw it.
 
     python benchmarks/gpu_check.py [--steps 200] [--images 2560]
 """
@@ -24,6 +24,7 @@ import psutil
 from convert_benchmark import make_photos
 
 from distrepro.devices import host_gpus
+from distrepro.strategies import COMPARED, REGISTRY
 
 REPO = Path(__file__).resolve().parents[1]
 PER_GPU_BATCH = 256
@@ -43,10 +44,10 @@ def gpu_processes(seen: dict[str, set[str]], stop: threading.Event) -> None:
 
 
 def role(cmdline: list[str]) -> str:
-    """ "horovod rank", "coordinator", or a parameter-server task, "worker 3" / "ps 0"."""
-    if "distrepro.strategies.horovod" in cmdline:
-        return "horovod rank"
-    return "coordinator" if "coordinator" in cmdline else " ".join(cmdline[-3:-1])
+    """The module a process runs and its arguments, e.g. "parameter_server
+    task worker 3 1" (what follows `python -m distrepro.strategies.`)."""
+    after = cmdline[cmdline.index("-m") + 1 :] if "-m" in cmdline else cmdline
+    return " ".join(after).removeprefix("distrepro.strategies.")
 
 
 def run(strategy: str, gpus: int, data_overrides: list[str], steps: int, tmp: Path) -> dict:
@@ -100,8 +101,8 @@ def main() -> None:
         ]
         prepare = [sys.executable, "-m", "distrepro.prepare", "data=imagenet", *data]
         subprocess.run(prepare, cwd=REPO, check=True)
-        results = {s: run(s, gpus, data, args.steps, tmp) for s in ("horovod", "parameter_server")}
-    horovod, ps = (results[s]["images_per_sec_per_gpu"] for s in ("horovod", "parameter_server"))
+        results = {name: run(name, gpus, data, args.steps, tmp) for name in REGISTRY}
+    rate = {name: results[name]["images_per_sec_per_gpu"] for name in REGISTRY}
     names = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
     model = subprocess.run(names, capture_output=True, text=True).stdout.splitlines()[0]
     print(
@@ -110,7 +111,7 @@ def main() -> None:
                 "gpu_model": model,
                 "gpu_count": gpus,
                 **results,
-                "horovod_over_parameter_server": round(horovod / ps, 2),
+                **{f"{a}_over_{b}": round(rate[a] / rate[b], 2) for a, b in COMPARED},
             },
             indent=2,
         )

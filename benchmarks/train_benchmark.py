@@ -1,10 +1,12 @@
 """Training throughput, all in one invocation on this machine:
 
-- this project's Horovod training on the digits TFRecords;
+- this project's training with every strategy (strategies.REGISTRY) on the
+  digits TFRecords, at the same global batch, and the ratios the report
+  compares (every strategy against the parameter server, Horovod against
+  TensorFlow's all-reduce);
 - Horovod's synthetic-benchmark recipe (benchmarks/synthetic_horovod.py):
   same model, image size, per-rank batch and number of ranks, random data;
-- this project's parameter-server training at the same global batch;
-- both again with `train.xla=true` (XLA auto-clustering of the step).
+- every strategy again with `train.xla=true` (XLA auto-clustering of the step).
 
     python benchmarks/train_benchmark.py [--epochs 3] [--workers 2] [--batch 64]
 
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from distrepro.strategies import COMPARED, REGISTRY
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -58,23 +62,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp}/mlflow.db"
-        horovod = project_run("horovod", args, Path(tmp))
+        rate = {name: project_run(name, args, Path(tmp)) for name in REGISTRY}
         steps_per_epoch = 1437 // args.batch
         synthetic = synthetic_run(args, steps_per_epoch * args.epochs)
-        ps = project_run("parameter_server", args, Path(tmp))
-        horovod_xla = project_run("horovod", args, Path(tmp), xla=True)
-        ps_xla = project_run("parameter_server", args, Path(tmp), xla=True)
-    result = {
-        "project_horovod_images_per_sec": round(horovod, 1),
-        "synthetic_horovod_images_per_sec": round(synthetic, 1),
-        "project_parameter_server_images_per_sec": round(ps, 1),
-        "project_over_synthetic": round(horovod / synthetic, 2),
-        "horovod_over_parameter_server": round(horovod / ps, 2),
-        "project_horovod_xla_images_per_sec": round(horovod_xla, 1),
-        "project_parameter_server_xla_images_per_sec": round(ps_xla, 1),
-        "horovod_xla_over_no_xla": round(horovod_xla / horovod, 2),
-        "parameter_server_xla_over_no_xla": round(ps_xla / ps, 2),
-    }
+        xla = {name: project_run(name, args, Path(tmp), xla=True) for name in REGISTRY}
+    result = {f"project_{name}_images_per_sec": round(rate[name], 1) for name in REGISTRY}
+    result["synthetic_horovod_images_per_sec"] = round(synthetic, 1)
+    result["project_horovod_over_synthetic"] = round(rate["horovod"] / synthetic, 2)
+    result |= {f"{a}_over_{b}": round(rate[a] / rate[b], 2) for a, b in COMPARED}
+    result |= {f"{name}_xla_images_per_sec": round(xla[name], 1) for name in REGISTRY}
+    result |= {f"{name}_xla_over_no_xla": round(xla[name] / rate[name], 2) for name in REGISTRY}
     print(json.dumps(result, indent=2))
 
 
