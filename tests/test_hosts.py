@@ -120,6 +120,49 @@ def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_c
     assert params["hosts"] == where
 
 
+def test_tensorflows_all_reduce_trains_across_two_hosts(
+    two_hosts, digits_tfrecords, tmp_path, mlflow_uri
+):
+    params = train_on_node1(
+        two_hosts,
+        digits_tfrecords,
+        tmp_path,
+        "strategy=multi_worker_mirrored",
+        "strategy.hosts='node1:1,node2:1'",
+    )
+    assert params["devices"] == "worker 0 on node1: cpu; worker 1 on node2: cpu"
+    assert params["communication"] == "RING"
+
+
+def test_tensorflows_all_reduce_trains_across_hosts_that_each_launch_their_worker(
+    two_hosts, digits_tfrecords, tmp_path, mlflow_uri
+):
+    cluster = {"worker": ["node1:2231", "node2:2232"]}
+
+    def tf_config(index: int) -> dict:
+        task = {"type": "worker", "index": index}
+        return {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": task})}
+
+    overrides = ("strategy=multi_worker_mirrored", "train.epochs=5")
+    second = subprocess.Popen(
+        on(two_hosts, "node2", launch_args(digits_tfrecords, tmp_path, *overrides)),
+        env=tf_config(1),
+        cwd=REPO,
+    )
+    try:
+        params = train_on_node1(
+            two_hosts,
+            digits_tfrecords,
+            tmp_path,
+            "strategy=multi_worker_mirrored",
+            env=tf_config(0),
+        )
+        assert second.wait(120) == 0
+    finally:
+        second.kill()
+    assert params["devices"] == "worker 0 on node1: cpu; worker 1 on node2: cpu"
+
+
 def test_the_hosts_leave_nothing_behind(tmp_path):
     skip_without_hosts()
     subprocess.run([HOSTS_SH, "up", tmp_path], check=True)
@@ -158,6 +201,7 @@ def test_bad_hosts_are_refused_naming_them(listed, named):
     "strategy, task, refusal",
     [
         ("parameter_server", {"type": "worker", "index": 0}, "names this process worker:0"),
+        ("multi_worker_mirrored", {"type": "ps", "index": 0}, "names ps:0 in a cluster of 1"),
         ("horovod", {"type": "worker", "index": 0}, "horovodrun places the ranks"),
     ],
 )

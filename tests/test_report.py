@@ -55,6 +55,29 @@ def test_three_seeds_each_give_intervals_and_a_sentence_per_figure(tmp_path):
             image.load()
 
 
+def test_three_strategies_each_against_the_baseline_and_horovod_against_tensorflow(tmp_path):
+    rates = {"parameter_server": 500.0, "horovod": 600.0, "multi_worker_mirrored": 700.0}
+    runs = [
+        made_run(strategy, seed, rate + seed)
+        for strategy, rate in rates.items()
+        for seed in range(3)
+    ]
+    write_report(runs, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    for strategy in rates:
+        assert f"| {strategy} (b64, 2 workers) | 3 |" in report
+    findings = [line for line in report.splitlines() if " against " in line]
+    pairs = [tuple(re.findall(r"(\w+) \(b64, 2 workers\)", line)) for line in findings]
+    assert pairs == [
+        ("horovod", "parameter_server"),
+        ("multi_worker_mirrored", "parameter_server"),
+        ("horovod", "multi_worker_mirrored"),
+    ]
+    assert "multi_worker_mirrored is 40 % faster than parameter_server" in report
+    assert "horovod is 14 % slower than multi_worker_mirrored" in report
+    assert report.startswith("# parameter_server vs horovod vs multi_worker_mirrored")
+
+
 def test_settings_that_share_a_label_stay_apart():
     runs = [made_run("horovod", 0, 600.0), made_run("horovod", 0, 300.0, digest="bbbbbbbb")]
     assert sorted(settings(runs)) == [

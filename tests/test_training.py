@@ -92,7 +92,7 @@ def first_step(strategy: str, workers: int, tfrecords: Path, out: Path) -> dict:
     return dict(np.load(out))
 
 
-@pytest.mark.parametrize("strategy", ["horovod"])
+@pytest.mark.parametrize("strategy", ["horovod", "multi_worker_mirrored"])
 def test_two_workers_step_like_one_process_with_twice_the_batch(
     digits_tfrecords, tmp_path, strategy
 ):
@@ -539,6 +539,7 @@ def is_task(proc: psutil.Process, task: str) -> bool:
         ("parameter_server", "worker 1", "task worker:1"),
         ("parameter_server", "ps 0", "task ps:0"),
         ("horovod", "rank", "horovodrun exited"),
+        ("multi_worker_mirrored", "tf worker 1", "worker 1 (pid"),
     ],
 )
 def test_a_run_survives_a_killed_process(

@@ -21,6 +21,7 @@ from conftest import REPO, copy_repo, peak_learning_rates, project_env, run, tra
 from PIL import Image
 
 from distrepro.config import compose_config, memory_mb
+from distrepro.strategies import COMPARED, REGISTRY
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +43,20 @@ def runs_of(repo, **tags):
     return client(repo).search_runs([experiment.experiment_id], filter_string=query)
 
 
-def test_reproduce_reports_both_strategies_with_mlflow_runs(reproduced):
+def test_reproduce_reports_every_strategy_with_mlflow_runs(reproduced):
     report = (reproduced / "results/report/report.md").read_text()
-    for strategy in ("parameter_server", "horovod"):
+    for strategy in REGISTRY:
         # three seeds: a mean and its interval, e.g. "| 512.3 (498.0 to 526.6) |"
         row = next(line for line in report.splitlines() if f"| {strategy} (b64, 2 workers)" in line)
         assert re.search(r"\| 3 \| [\d.]+ \([\d.]+ to [\d.]+\) \|", row), row
     assert "4249" in report and "5058" in report and "(single runs)" in report
-    assert re.search(r"horovod is \d+ % (faster|slower)|No difference in img/s", report)
+    for first, second in COMPARED:  # every strategy against the baseline, Horovod against TF
+        found = re.search(
+            rf"{first} \(b64, 2 workers\) against {second} \(b64, 2 workers\): (.*)", report
+        )
+        assert found and re.search(
+            rf"{first} is \d+ % (faster|slower)|No difference in img/s", found[1]
+        )
     assert "asynchronous" in report
     for png in ("throughput.png", "accuracy.png", "time_to_accuracy.png"):
         with Image.open(reproduced / "results/report" / png) as image:
@@ -57,7 +64,7 @@ def test_reproduce_reports_both_strategies_with_mlflow_runs(reproduced):
             assert image.size[0] > 100
     metrics = [json.loads(p.read_text()) for p in reproduced.glob("results/runs/*/metrics.json")]
     assert sorted((m["strategy"], m["seed"]) for m in metrics) == [
-        (strategy, seed) for strategy in ("horovod", "parameter_server") for seed in (0, 1, 2)
+        (strategy, seed) for strategy in sorted(REGISTRY) for seed in (0, 1, 2)
     ]
     for m in metrics:
         assert m["top1"] >= 0.90 and m["eval_top1"] >= 0.90, m["run_name"]
@@ -67,14 +74,16 @@ def test_reproduce_reports_both_strategies_with_mlflow_runs(reproduced):
         assert run_.data.metrics["eval_top1"] == pytest.approx(m["eval_top1"])
         assert run_.data.tags["dvc_tfrecords_md5"].endswith(".dir")
     parents = [r for r in runs_of(reproduced) if "seed" not in r.data.tags]
-    assert sorted(p.data.tags["setting"].split("-")[2] for p in parents) == [
-        "horovod",
-        "parameter_server",
-    ]
+    assert sorted(p.data.tags["setting"].split("-")[2] for p in parents) == sorted(REGISTRY)
     for parent in parents:
         seeds = runs_of(reproduced, **{"mlflow.parentRunId": parent.info.run_id})
         assert sorted(r.data.tags["seed"] for r in seeds) == ["0", "1", "2"]
         assert {r.data.tags["setting"] for r in seeds} == {parent.data.tags["setting"]}
+        # the seeds' mean and interval on the parent's row of the runs table
+        mean = sum(r.data.metrics["images_per_sec"] for r in seeds) / 3
+        figures = parent.data.metrics
+        assert figures["images_per_sec"] == pytest.approx(mean) and figures["seeds"] == 3
+        assert figures["images_per_sec_ci95_low"] < mean < figures["images_per_sec_ci95_high"]
 
 
 def test_an_interrupted_workflow_leaves_no_training_process_and_resumes(tmp_path):
@@ -82,8 +91,8 @@ def test_an_interrupted_workflow_leaves_no_training_process_and_resumes(tmp_path
     reaches every process of the job: the training stops with it, and the
     same command again resumes the run from its checkpoint."""
     repo = copy_repo(tmp_path / "repo")
-    command = ["snakemake", "--cores", "all", "reproduce", "--config", "seeds=1"]
-    command += ["overrides=train.epochs=4"]
+    command = ["snakemake", "--cores", "all", "sweep", "--config", "seeds=1"]
+    command += ["sweep=strategy=parameter_server", "overrides=train.epochs=4"]
     proc = subprocess.Popen(
         command,
         cwd=repo,
@@ -180,7 +189,7 @@ def test_two_point_scaling_reports_efficiency_from_the_runs_own_rates(reproduced
     (report_dir,) = reproduced.glob("results/scaling/*/report")
     report = (report_dir / "report.md").read_text()
     runs = [json.loads(p.read_text()) for p in reproduced.glob("results/runs/*/metrics.json")]
-    for strategy in ("parameter_server", "horovod"):
+    for strategy in REGISTRY:
         rate = {
             r["num_workers"]: r["images_per_sec"]
             for r in runs
@@ -199,7 +208,7 @@ def test_two_point_scaling_reports_efficiency_from_the_runs_own_rates(reproduced
         image.load()
     (parent,) = [r for r in runs_of(reproduced) if "scaling" in r.data.tags]
     settings = runs_of(reproduced, **{"mlflow.parentRunId": parent.info.run_id})
-    assert len(settings) == 4 and all("setting" in r.data.tags for r in settings)
+    assert len(settings) == 2 * len(REGISTRY) and all("setting" in r.data.tags for r in settings)
 
 
 def test_scaling_refuses_a_zero_count_before_any_job():
@@ -220,7 +229,8 @@ def test_aws_blog_8gpu_scaling_dry_run_is_the_seeds_curve():
         batch = 256 * workers
         assert f"horovodrun -np {workers} -H localhost:{workers} --mpi" in dry
         assert f"1 ps + {workers} workers + 1 coordinator" in dry
-        assert dry.count(f"global batch {batch}, mixed_fp16") == 2
+        assert f"{workers} workers, TensorFlow all-reduce over NCCL" in dry
+        assert dry.count(f"global batch {batch}, mixed_fp16") == len(REGISTRY)
 
 
 def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
@@ -228,11 +238,13 @@ def test_aws_blog_8gpu_dry_run_shows_the_8_gpu_commands():
     dry = run(["snakemake", "-n", "--config", *config], REPO).stdout
     assert "horovodrun -np 8 -H localhost:8 --mpi" in dry
     assert "1 ps + 8 workers + 1 coordinator" in dry
-    assert dry.count("8 GPUs, 1 per worker") == 2  # both training jobs
+    assert "8 workers, TensorFlow all-reduce over NCCL" in dry
+    assert dry.count("8 GPUs, 1 per worker") == len(REGISTRY)  # every training job
     evaluate_resources = re.findall(r"rule evaluate:.*?resources: ([^\n]*)", dry, re.S)
-    assert len(evaluate_resources) == 2 and all("gpu=1" in r for r in evaluate_resources)
+    assert len(evaluate_resources) == len(REGISTRY)
+    assert all("gpu=1" in r for r in evaluate_resources)
     assert "1024 train / 128 validation shards" in dry
-    assert dry.count("90 epochs, global batch 2048, mixed_fp16") == 2
+    assert dry.count("90 epochs, global batch 2048, mixed_fp16") == len(REGISTRY)
 
 
 @pytest.mark.parametrize(
@@ -318,11 +330,14 @@ def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_pa
         listing = rendered_text(link.stdout.strip(), tmp_path / "a")
         for r in runs:
             assert r.info.run_name in listing
+            # a setting's row shows its seeds' mean, as JavaScript prints it
+            assert repr(r.data.metrics["images_per_sec"]) in listing, r.info.run_name
         digest = next(
             r.inputs.dataset_inputs[0].dataset.digest for r in runs if r.inputs.dataset_inputs
         )
         assert f"digits ({digest})" in listing  # the Dataset column, with DVC's hash
-        for column in ("Dataset", "images_per_sec", "top1", "best_top1", "eval_top1"):
+        columns = ("Dataset", "images_per_sec", "images_per_sec_ci95_low", "top1", "best_top1")
+        for column in (*columns, "eval_top1"):
             assert f" {column} " in listing, column
         trained = next(r for r in runs_of(reproduced) if "eval_top1" in r.data.metrics)
         run_page = rendered_text(
@@ -380,8 +395,8 @@ def test_the_workflow_runs_through_the_slurm_profile(
         jobs.setdefault(re.match(r"rule_(\w+?)(_wildcards|$)", comment)[1], []).append(job)
     assert {rule: len(ids) for rule, ids in jobs.items()} == {
         "prepare": 1,
-        "train": 2,
-        "evaluate": 2,
+        "train": len(REGISTRY),
+        "evaluate": len(REGISTRY),
         "report": 1,
     }
     memory = set()
@@ -389,8 +404,7 @@ def test_the_workflow_runs_through_the_slurm_profile(
         shown = run(["scontrol", "show", "job", job], repo).stdout
         assert "JobState=COMPLETED" in shown and "NumTasks=2 " in shown, shown
         memory |= {int(m) for m in re.findall(r"MinMemoryNode=(\d+)M", shown)}
-    strategies = ("horovod", "parameter_server")
-    configs = [compose_config([f"strategy={s}", "train.epochs=5"]) for s in strategies]
+    configs = [compose_config([f"strategy={s}", "train.epochs=5"]) for s in REGISTRY]
     assert memory == {memory_mb(cfg) for cfg in configs}
     headings = [
         re.findall(r"^## .*", (r / "results/report/report.md").read_text(), re.M)

@@ -25,11 +25,13 @@ from types import ModuleType
 REGISTRY = {
     "parameter_server": "distrepro.strategies.parameter_server",
     "horovod": "distrepro.strategies.horovod",
+    "multi_worker_mirrored": "distrepro.strategies.multi_worker_mirrored",
 }
 # The seed's "standard TensorFlow distributed training", which every other
-# strategy is compared with.
+# strategy is compared with; and Horovod against TensorFlow's own all-reduce.
 BASELINE = "parameter_server"
 COMPARED = [(name, BASELINE) for name in REGISTRY if name != BASELINE]
+COMPARED += [("horovod", "multi_worker_mirrored")]
 
 
 def module(name: str) -> ModuleType:
