@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,20 @@ def project_env(cwd: Path) -> dict[str, str]:
     if (cwd / "src").is_dir():
         env["PYTHONPATH"] = str(cwd / "src")
     return env
+
+
+def wait_for_http(url: str, seconds: float = 120) -> None:
+    """Until url answers (a server the test started on 127.0.0.1)."""
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer in {seconds:.0f} s")
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:

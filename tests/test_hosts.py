@@ -30,7 +30,7 @@ def skip_without_hosts() -> None:
         pytest.skip("two hosts need root: network namespaces (ip netns) and an sshd in each")
     missing = [tool for tool in ("ip", "ssh", "sshd", "unshare") if not shutil.which(tool)]
     if missing:
-        pytest.skip(f"two hosts need {', '.join(missing)}: `make setup` installs them")
+        pytest.skip(f"two hosts need {', '.join(missing)}: `make test` installs them")
 
 
 @pytest.fixture(scope="module")

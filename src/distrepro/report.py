@@ -285,8 +285,9 @@ def plot_scaling(curves: dict[str, list[list[dict]]], path: Path) -> None:
 
 def profile_rows(runs: list[dict]) -> list[list[str]]:
     """Per profiled run, the shares of its traced window in which gradients were
-    being allreduced or negotiated (Horovod), or in which the workers ran no
-    kernel, waiting on the ps tasks (parameter server)."""
+    being allreduced (Horovod, TensorFlow's all-reduce) or negotiated (Horovod),
+    or in which the workers ran no kernel, waiting on the ps tasks (parameter
+    server)."""
     rows = []
     for run in runs:
         if not run.get("profile_steps"):
@@ -365,7 +366,9 @@ def write_report(runs: list[dict], out_dir: Path) -> list[Path]:
         where = (
             "Shares of each profiled window (train.profile_steps of the first epoch). "
             "Horovod, from its timeline: some gradient being allreduced, or negotiated "
-            "(waiting for every rank); both overlap the backward pass. Parameter server, "
+            "(waiting for every rank); both overlap the backward pass. TensorFlow's "
+            "all-reduce, from the chief's profiler trace: some gradient being all-reduced "
+            "(CollectiveReduceV2) within the traced step functions. Parameter server, "
             "from the workers' profiler traces: no compute kernel running on a worker, "
             "that is, waiting for variables from the ps tasks (or for input or a core). "
             "Traces: MLflow artifacts profile/ of each run."

@@ -24,6 +24,11 @@ from omegaconf import DictConfig
 from distrepro import hosts
 from distrepro.config import ConfigError
 from distrepro.processes import Restarts, process_env, start, stop
+from distrepro.strategies.synchronous import (  # noqa: F401  (the interface)
+    images_per_update,
+    processes,
+    updates_per_call,
+)
 from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.horovod"
@@ -104,18 +109,6 @@ def validate(cfg: DictConfig) -> None:
         )
     if strategy.commit_every < 1:
         raise ConfigError(f"strategy.commit_every={strategy.commit_every} must be at least 1")
-
-
-def processes(cfg: DictConfig) -> int:
-    return cfg.strategy.num_workers
-
-
-def images_per_update(cfg: DictConfig) -> int:
-    return cfg.train.global_batch_size
-
-
-def updates_per_call(cfg: DictConfig) -> int:
-    return 1
 
 
 def describe(cfg: DictConfig) -> str:
@@ -199,7 +192,7 @@ class HorovodDistribution(Distribution):
         hvd.init()
         self.hvd = hvd
         self.is_chief = hvd.rank() == 0
-        self.images_per_update = cfg.train.global_batch_size
+        self.images_per_update = images_per_update(cfg)
         self.shard = {}
 
     def processes_on_host(self) -> int:

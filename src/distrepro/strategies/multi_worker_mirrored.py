@@ -30,6 +30,11 @@ from distrepro import hosts
 from distrepro.config import ConfigError
 from distrepro.devices import devices_of_tasks, host_gpus
 from distrepro.processes import Restarts, free_ports, process_env, start, stop
+from distrepro.strategies.synchronous import (  # noqa: F401  (the interface)
+    images_per_update,
+    processes,
+    updates_per_call,
+)
 from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.multi_worker_mirrored"
@@ -59,18 +64,6 @@ def validate(cfg: DictConfig) -> None:
                 f"{len(workers)} workers: each host's launcher needs its own worker task in a "
                 f"cluster of strategy.num_workers={strategy.num_workers}"
             )
-
-
-def processes(cfg: DictConfig) -> int:
-    return cfg.strategy.num_workers
-
-
-def images_per_update(cfg: DictConfig) -> int:
-    return cfg.train.global_batch_size
-
-
-def updates_per_call(cfg: DictConfig) -> int:
-    return 1
 
 
 def communication(cfg: DictConfig) -> str:
@@ -131,7 +124,7 @@ class MultiWorkerMirrored(Distribution):
         self.addresses = tf_config["cluster"]["worker"]
         self.index = tf_config["task"]["index"]
         self.is_chief = self.index == 0
-        self.images_per_update = cfg.train.global_batch_size
+        self.images_per_update = images_per_update(cfg)
         self.summed_replicas = len(self.addresses)
         if not self.is_chief:
             self.scratch = run_dir / "checkpoints" / f"worker-{self.index}-scratch"
