@@ -83,11 +83,19 @@ def first_step(strategy: str, workers: int, tfrecords: Path, out: Path) -> dict:
                 s.bind(("127.0.0.1", 0))
             addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in (a, b)][:workers]
         procs = []
-        for index in range(workers):
-            task = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}}
-            env = {**os.environ, "TF_CONFIG": json.dumps(task)}
-            procs.append(subprocess.Popen([*script, str(out)], env=env))
-        assert [proc.wait(300) for proc in procs] == [0] * workers
+        try:
+            for index in range(workers):
+                task = {
+                    "cluster": {"worker": addresses},
+                    "task": {"type": "worker", "index": index},
+                }
+                env = {**os.environ, "TF_CONFIG": json.dumps(task)}
+                procs.append(subprocess.Popen([*script, str(out)], env=env))
+            assert [proc.wait(300) for proc in procs] == [0] * workers
+        finally:  # a worker left waiting for its peer is stopped too
+            for proc in procs:
+                proc.kill()
+                proc.wait()
     return dict(np.load(out))
 
 
