@@ -1,5 +1,5 @@
 """Several machines, proven on one: two hosts in network namespaces, each
-with its own name, address and sshd (tests/hosts.sh), and the parameter
+with its own name, address and sshd (scripts/hosts.sh), and the parameter
 server and Horovod (Gloo and MPI) training across them."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from distrepro import hosts
 from distrepro.config import compose_config
 from distrepro.launch import ConfigError, validate_values
 
-HOSTS_SH = str(REPO / "tests" / "hosts.sh")
+HOSTS_SH = str(REPO / "scripts" / "hosts.sh")
 TASK = [PYTHON, "-m", "distrepro.strategies.parameter_server", "task"]
 
 
@@ -187,7 +187,7 @@ def netns_list() -> list[str]:
     "listed, named",
     [
         ("node1:1,node2", "'node2' is not HOST:SLOTS"),
-        ("node1:0,node2:2", "'node1:0' is not HOST:SLOTS"),
+        ("node1:x,node2:2", "'node1:x' is not HOST:SLOTS"),
         ("node1:1,node2:2", "has 3 slots for strategy.num_workers=2"),
     ],
 )
@@ -220,3 +220,15 @@ def test_a_slurm_job_of_several_nodes_gives_the_hosts(tmp_path, monkeypatch):
     assert hosts.slurm(2, job) == "gpu-a:1,gpu-b:1"
     assert hosts.slurm(8, {}) is None  # not in a SLURM job
     assert hosts.slurm(8, {"SLURM_JOB_NODELIST": "gpu-a"}) is None  # one node: this machine
+
+
+def test_a_host_of_no_slots_carries_the_ps_tasks_and_no_worker(tmp_path):
+    """The network experiment's layout: the ps on a host of its own."""
+    from distrepro.strategies import horovod, parameter_server
+
+    listed = "strategy.hosts='head:0,a:1,b:1'"
+    cfg = compose_config(["strategy=parameter_server", listed])
+    validate_values(cfg)
+    assert parameter_server.placement(cfg) == {"worker:0": "a", "worker:1": "b", "ps:0": "head"}
+    command = horovod.command(compose_config(["strategy=horovod", listed]), tmp_path / "c.yaml")
+    assert command[command.index("-H") + 1] == "a:1,b:1"

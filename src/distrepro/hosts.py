@@ -1,5 +1,7 @@
 """The machines of a run: `strategy.hosts` ("host1:8,host2:8", each host
-with its worker slots), or, in a SLURM job of several nodes, the job's nodes.
+with its worker slots; a host of 0 slots carries no worker, but the
+parameter server's ps tasks when it comes first), or, in a SLURM job of
+several nodes, the job's nodes.
 Remote processes start over ssh, as horovodrun starts its ranks."""
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ class HostsError(ValueError):
 
 
 def parse(text: str) -> list[tuple[str, int]]:
-    """[(host, slots)] of "host1:8,host2:8"."""
+    """[(host, slots)] of "host1:8,host2:8"; slots may be 0."""
     hosts = []
     for entry in text.split(","):
         host, _, slots = entry.strip().partition(":")
-        if not host or not slots.isdigit() or int(slots) < 1:
+        if not host or not slots.isdigit():
             raise HostsError(f"strategy.hosts={text!r}: {entry!r} is not HOST:SLOTS")
         hosts.append((host, int(slots)))
     return hosts

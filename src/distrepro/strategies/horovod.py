@@ -59,7 +59,7 @@ def write_discovery_script(cfg: DictConfig, run_dir: Path) -> Path:
     config when missing."""
     listed = run_dir / ELASTIC_HOSTS
     if not listed.exists():
-        listed.write_text("".join(f"{host}:{slots}\n" for host, slots in elastic_hosts(cfg)))
+        listed.write_text("".join(f"{host}:{n}\n" for host, n in elastic_hosts(cfg) if n))
     script = run_dir / DISCOVERY_SCRIPT
     script.write_text(f"#!/bin/sh\nexec cat '{listed.resolve()}'\n")
     script.chmod(0o755)
@@ -73,7 +73,9 @@ def command(cfg: DictConfig, config_path: Path) -> list[str]:
     horovodrun = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(n)]
     machines = hosts.of_run(cfg)
     if not cfg.strategy.elastic:
-        listed = ",".join(f"{host}:{slots}" for host, slots in machines or [("localhost", n)])
+        listed = ",".join(
+            f"{host}:{slots}" for host, slots in machines or [("localhost", n)] if slots
+        )
         return [*horovodrun, "-H", listed, controller, *program]
     elastic = [
         *("--min-np", str(cfg.strategy.min_workers), "--max-np", str(n)),

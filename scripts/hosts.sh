@@ -1,0 +1,159 @@
+#!/bin/bash
+# Hosts on this machine, for the several-nodes tests and the network
+# experiment: network namespaces joined by a switch (a Linux bridge in a
+# namespace of its own), each with its own host name (a UTS namespace),
+# address, /etc/hosts and ssh client config (`ip netns exec` mounts
+# /etc/netns/NS/* over /etc), and an sshd that accepts only this setup's key.
+# Each host's link to the switch can be shaped to a rate in both directions
+# (`tc tbf`: bandwidth only; these machines have no netem for delay).
+#
+#   scripts/hosts.sh up DIR [N [RATE]]     create node1..nodeN (default 2), links of RATE
+#                                          (tc's units: 10mbit, 1gbit; default unshaped);
+#                                          DIR keeps keys, configs, pids, the namespaces
+#   scripts/hosts.sh run DIR HOST COMMAND..  run COMMAND on HOST
+#   scripts/hosts.sh down DIR              remove all that `up` made, also half-made, and stop
+#                                          every process left on the hosts
+# Root only.
+set -Eeuo pipefail # -E: the ERR trap of `up` also fires inside functions
+
+SUBNET=10.247.0 # private, and only inside the namespaces
+
+action=${1:-}
+dir=$(realpath -m "${2:-.}")
+id=$(printf %s "$dir" | sha1sum | cut -c1-8)
+namespace() { echo "drp$id-$1"; } # unique per DIR: concurrent sessions do not meet
+SWITCH=$(namespace switch)
+
+address() { echo "$SUBNET.${1#node}"; }
+
+on_host() { # HOST COMMAND..: become COMMAND in HOST's network, mounts and host name
+  local host=$1
+  shift
+  exec ip netns exec "$(namespace "$host")" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$host" "$@"
+}
+
+# tbf on DEV in namespace NS: RATE, a burst of 10 ms of it (at least 64 KiB, a
+# veth's largest segment) and a queue of 100 ms.
+shape() {
+  local ns=$1 dev=$2 rate=$3 bits
+  bits=$(tc_bits "$rate")
+  ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "$rate" \
+    burst $((bits / 800 > 65536 ? bits / 800 : 65536)) latency 100ms
+}
+
+tc_bits() { # 10mbit -> 10000000 (tc's decimal units)
+  local number=${1%%[a-z]*} unit=${1##*[0-9]}
+  case $unit in
+  kbit) echo $((number * 1000)) ;;
+  mbit) echo $((number * 1000000)) ;;
+  gbit) echo $((number * 1000000000)) ;;
+  *)
+    echo "hosts.sh: rate $1 is not N kbit|mbit|gbit" >&2
+    exit 2
+    ;;
+  esac
+}
+
+up() {
+  local count=${1:-2} rate=${2:-}
+  [ -z "$rate" ] || tc_bits "$rate" >/dev/null
+  mkdir -p "$dir"
+  if [ ! -d /run/sshd ]; then # sshd's privilege separation directory
+    mkdir /run/sshd
+    touch "$dir/made_run_sshd"
+  fi
+  ssh-keygen -q -t ed25519 -N '' -f "$dir/id_ed25519"
+  ssh-keygen -q -t ed25519 -N '' -f "$dir/host_key"
+  cp "$dir/id_ed25519.pub" "$dir/authorized_keys"
+  echo "$SWITCH" >>"$dir/namespaces"
+  ip netns add "$SWITCH"
+  ip -n "$SWITCH" link add br0 type bridge
+  ip -n "$SWITCH" link set br0 up
+  local i host hosts=()
+  for i in $(seq 1 "$count"); do hosts+=("node$i"); done
+  for host in "${hosts[@]}"; do
+    local ns=$(namespace "$host") port=port${host#node} cable=${host#node} etc
+    echo "$ns" >>"$dir/namespaces"
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    # A cable from the host's eth0 to a port of the switch.
+    ip link add "drp$id-p$cable" type veth peer name "drp$id-h$cable"
+    ip link set "drp$id-p$cable" netns "$SWITCH"
+    ip link set "drp$id-h$cable" netns "$ns"
+    ip -n "$SWITCH" link set "drp$id-p$cable" name "$port"
+    ip -n "$SWITCH" link set "$port" master br0 up
+    ip -n "$ns" link set "drp$id-h$cable" name eth0
+    ip -n "$ns" addr add "$(address "$host")/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    if [ -n "$rate" ]; then
+      shape "$ns" eth0 "$rate"       # what the host sends
+      shape "$SWITCH" "$port" "$rate" # what it receives
+    fi
+    etc=/etc/netns/$ns
+    mkdir -p "$etc/ssh"
+    {
+      echo "127.0.0.1 localhost"
+      for other in "${hosts[@]}"; do echo "$(address "$other") $other"; done
+    } >"$etc/hosts"
+    cat >"$etc/ssh/ssh_config" <<CONFIG
+Host *
+  IdentityFile $dir/id_ed25519
+  UserKnownHostsFile $dir/known_hosts
+  StrictHostKeyChecking accept-new
+  BatchMode yes
+CONFIG
+    cat >"$etc/ssh/sshd_config" <<CONFIG
+ListenAddress $(address "$host")
+HostKey $dir/host_key
+AuthorizedKeysFile $dir/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PidFile $dir/sshd-$host.pid
+CONFIG
+    (on_host "$host" /usr/sbin/sshd -f /etc/ssh/sshd_config)
+  done
+}
+
+down() {
+  local ns pid
+  for pid in "$dir"/sshd-*.pid; do
+    [ -e "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true
+  done
+  for ns in $(cat "$dir/namespaces" 2>/dev/null || true); do
+    if ip netns list | grep -qw "$ns"; then
+      for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
+      ip netns del "$ns"
+    fi
+    rm -rf "/etc/netns/$ns"
+  done
+  # A cable made but not yet moved when `up` stopped half-way.
+  local cable
+  for cable in $(ip -o link show | grep -o "drp$id-[a-z0-9]*" | sort -u); do
+    ip link del "$cable" 2>/dev/null || true
+  done
+  rm -f "$dir/namespaces"
+  if [ -e "$dir/made_run_sshd" ]; then
+    rmdir /run/sshd 2>/dev/null || true # another sshd may use it now
+    rm "$dir/made_run_sshd"
+  fi
+}
+
+case $action in
+up)
+  trap 'down' ERR
+  up "${@:3}"
+  ;;
+run)
+  host=$3
+  shift 3
+  on_host "$host" "$@"
+  ;;
+down) down ;;
+*)
+  echo "usage: $0 up|run|down DIR [N [RATE] | HOST COMMAND..]" >&2
+  exit 2
+  ;;
+esac
