@@ -56,6 +56,9 @@ class Restarts:
 def process_env(cfg: DictConfig) -> dict[str, str]:
     """What every training process of cfg gets in its environment."""
     env = {"GRPC_FAIL_FAST": "use_caller"}
+    # The code and the MLflow store the launcher uses, also for processes it
+    # starts over ssh (which pass on only what is named).
+    env |= {k: os.environ[k] for k in ("PYTHONPATH", "MLFLOW_TRACKING_URI") if k in os.environ}
     if sys.stdout.isatty():
         env[TERMINAL] = os.ttyname(sys.stdout.fileno())
     if cfg.train.profile:
