@@ -1,6 +1,7 @@
 # snakemake --cores all reproduce   (the default target)
 # snakemake --cores all sweep --config sweep="train.global_batch_size=32,64,128"
 # snakemake --cores all scaling --config workers="1,2,4"
+# snakemake --cores all network --config bandwidths="10mbit,100mbit,1gbit" workers=2   (as root)
 # Values come from Hydra (conf/); --config experiment=NAME overrides="k=v k=v".
 from snakemake.utils import min_version, validate
 
@@ -38,3 +39,8 @@ rule sweep:
 rule scaling:
     input:
         scaling_report,
+
+
+rule network:
+    input:
+        network_report,

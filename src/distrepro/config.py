@@ -18,7 +18,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from distrepro import strategies
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+REPO = Path(__file__).resolve().parents[2]
+CONF_DIR = REPO / "conf"
 
 
 class OnBadImage(Enum):
@@ -66,6 +67,7 @@ class ModelConfig:
     name: str = MISSING
     blocks_per_stage: list[int] = MISSING
     base_width: int = MISSING
+    parameters: Optional[int] = None  # published count, for the cost model (distrepro.predict)
 
 
 @dataclass
@@ -126,6 +128,11 @@ class ReportConfig:
 
 
 @dataclass
+class NetworkConfig:
+    bandwidth: Optional[str] = None  # set: python -m distrepro.network (hosts of their own)
+
+
+@dataclass
 class Config:
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
@@ -134,6 +141,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    hardware: Optional[Any] = None  # the cost model's cluster (conf/hardware/, distrepro.predict)
+    published: Optional[Any] = None  # an experiment's published figures, beside predictions
     seed: int = 0
     results_dir: str = "results/runs"
     mlflow_experiment: str = "distrepro"

@@ -7,3 +7,5 @@ DAMAGED_DATA = "damaged_data.txt"
 TRACKING_BEHIND = "mlflow_behind"
 # The launcher's terminal, where the chief draws its progress bar.
 TERMINAL = "DISTREPRO_TERMINAL"
+# Set by the network experiment for the launcher it starts on its hosts.
+ON_SHAPED_HOSTS = "DISTREPRO_ON_SHAPED_HOSTS"

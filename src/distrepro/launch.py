@@ -5,6 +5,7 @@ its checkpoint up to train.max_restarts times."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from distrepro import hosts, strategies
 from distrepro.config import ConfigError, run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus
-from distrepro.handoff import DAMAGED_DATA, TRACKING_BEHIND
+from distrepro.handoff import DAMAGED_DATA, ON_SHAPED_HOSTS, TRACKING_BEHIND
 from distrepro.processes import Restarts, TrainingFailed, end_with_parent
 
 
@@ -26,6 +27,11 @@ def validate(cfg: DictConfig) -> None:
     validate_values(cfg)
     validate_devices(cfg.strategy)
     validate_data(cfg)
+    if cfg.network.bandwidth and ON_SHAPED_HOSTS not in os.environ:
+        raise ConfigError(
+            f"network.bandwidth={cfg.network.bandwidth}: a run on shaped links starts on hosts "
+            "of its own: `python -m distrepro.network` (as root) makes them and launches there"
+        )
 
 
 def validate_values(cfg: DictConfig) -> None:

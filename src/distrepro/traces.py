@@ -1,7 +1,8 @@
 """Where a profiled window's time went. From Horovod's timeline (Chrome trace
 events, one "process" per tensor): the share of the window in which any
 tensor was being allreduced, and in which any was still being negotiated
-(waiting until every rank has produced it). From TensorFlow's profiler
+(waiting until every rank has produced it), and how spread out in a step
+the gradients become ready. From TensorFlow's profiler
 traces: a parameter-server worker's waiting, and the share of TensorFlow's
 own all-reduce."""
 
@@ -50,6 +51,21 @@ def exchange_shares(path: Path) -> dict[str, float]:
     window = max(e["ts"] for e in events) - min(e["ts"] for e in events)
     intervals = phase_intervals(events)
     return {share: covered(intervals[phase]) / window for phase, share in PHASES.items()}
+
+
+def gradients_ready_within_s(path: Path) -> float:
+    """How long after a step's first gradient its last one is handed to
+    Horovod (the median over the window's steps): the part of the backward
+    pass an all-reduce could overlap. Each tensor is handed over once a step."""
+    events = [e for e in read_timeline(path) if "ts" in e]
+    ready = sorted(
+        e["ts"] for e in events if e.get("name") == "NEGOTIATE_ALLREDUCE" and e.get("ph") == "B"
+    )
+    tensors = len({e["pid"] for e in events if e.get("name") == "NEGOTIATE_ALLREDUCE"})
+    spreads = sorted(
+        ready[i + tensors - 1] - ready[i] for i in range(0, len(ready) - tensors + 1, tensors)
+    )
+    return spreads[len(spreads) // 2] / 1e6
 
 
 def xplane_events(xplane: Path):

@@ -23,13 +23,12 @@ import yaml
 from mlflow.entities import Metric, RunTag
 from mlflow.exceptions import MlflowException
 
-from distrepro.config import flatten, setting_name, to_plain
+from distrepro.config import REPO, flatten, setting_name, to_plain
 from distrepro.handoff import TRACKING_BEHIND
 from distrepro.traces import PHASES
 
-REPO = Path(__file__).resolve().parents[2]
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
-PARENT_KINDS = ("sweep", "scaling", "setting")
+PARENT_KINDS = ("sweep", "scaling", "network", "setting")
 # The MLflow UI's shared view of the runs table (?viewStateShareKey=runs): these columns.
 RUNS_VIEW_TAG = "mlflow.sharedViewState.runs"
 RUNS_VIEW_COLUMNS = [
@@ -224,7 +223,11 @@ def log_epochs(run_dir: Path, history: list[dict]) -> bool:
     try:
         for record in history[logged:]:
             at = mlflow.utils.time.get_current_time_millis()
-            figures = [Metric(k, v, at, record["epoch"]) for k, v in record.items() if k != "epoch"]
+            figures = [
+                Metric(k, v, at, record["epoch"])
+                for k, v in record.items()
+                if k != "epoch" and isinstance(v, int | float)
+            ]
             client.log_batch(run_id, metrics=figures)
             logged += 1
             count.write_text(str(logged))
@@ -232,6 +235,23 @@ def log_epochs(run_dir: Path, history: list[dict]) -> bool:
         behind(f"epochs {logged + 1} to {len(history)}", error)
         return False
     return True
+
+
+def log_network(run_dir: Path, record: dict) -> None:
+    """The network experiment's figures of a finished run: the link's
+    measured rate and, per role, the bytes per step measured and expected."""
+    figures = {"link_mbyte_per_s": record["link_bytes_per_s"] / 1e6}
+    for kind in ("measured", "expected"):
+        for role, ways in record[kind].items():
+            figures |= {f"{kind}_{role}_{way}_mb_per_step": n / 1e6 for way, n in ways.items()}
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    at = mlflow.utils.time.get_current_time_millis()
+    try:
+        mlflow.MlflowClient(tracking_uri()).log_batch(
+            run_id, metrics=[Metric(k, v, at, 0) for k, v in figures.items()]
+        )
+    except UNANSWERED as error:
+        print(f"tracking: the network figures are in {run_dir}/network.json only: {error}")
 
 
 def log_finished(run_dir: Path, metrics: dict) -> bool:
@@ -291,8 +311,8 @@ def log_setting_figures(summary: dict, runs: list[dict]) -> None:
 
 
 def start_parent(experiment: str, kind: str, name: str, parent_run_id: str = "") -> str:
-    """An MLflow run that runs are children of: a sweep's or a scaling's
-    settings, or a setting's seeds (tagged kind=name)."""
+    """An MLflow run that runs are children of: a sweep's, a scaling's or a
+    network experiment's settings, or a setting's seeds (tagged kind=name)."""
     experiment_id = ensure_experiment(experiment)
     client = mlflow.MlflowClient()
     tags = {kind: name} | ({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})

@@ -15,6 +15,7 @@ from distrepro.config import (
     setting_name,
 )
 from distrepro.launch import ConfigError, describe, validate_values
+from distrepro.network import UNSHAPED, layout, refusal
 from distrepro.strategies import REGISTRY
 
 STRATEGIES = list(REGISTRY)
@@ -86,9 +87,38 @@ def scaling_points():
     return points
 
 
+def network_points():
+    """Each strategy at each of `bandwidths` and unshaped (the compute time the
+    cost model starts from), at each worker count of `workers` (else the
+    configured one), every seed; traced, for the share of time communicating."""
+    bandwidths = [b for b in config["bandwidths"].split(",") if b] + [UNSHAPED]
+    points = []
+    for strategy in STRATEGIES:
+        base = compose_config(base_overrides() + [f"strategy={strategy}"])
+        counts = [int(n) for n in config["workers"].split(",")] if config["workers"] else []
+        for workers, bandwidth, seed in itertools.product(
+            counts or [base.strategy.num_workers], bandwidths, SEEDS
+        ):
+            points.append(
+                base_overrides()
+                + [
+                    f"strategy={strategy}",
+                    f"strategy.num_workers={workers}",
+                    f"strategy.hosts='{layout(workers)}'",
+                    f"network.bandwidth={bandwidth}",
+                    "train.profile=true",
+                    f"seed={seed}",
+                ]
+            )
+    return points
+
+
 SWEEP_ID = group_id(config["experiment"], config["overrides"], config["sweep"], SEEDS)
 SCALING_ID = group_id(
     config["experiment"], config["overrides"], config["workers"], SEEDS
+)
+NETWORK_ID = group_id(
+    config["experiment"], config["overrides"], config["workers"], config["bandwidths"], SEEDS
 )
 # The runs of each group, by the results/ folder of its report. A run in
 # several groups (with --config sweep or workers, reproduce's runs may be
@@ -98,6 +128,7 @@ SCALING_ID = group_id(
 GROUPS = {
     f"sweeps/{SWEEP_ID}": sweep_points() if config["sweep"] else [],
     f"scaling/{SCALING_ID}": scaling_points() if config["workers"] else [],
+    f"network/{NETWORK_ID}": network_points(),
     "reproduce": [
         base_overrides() + [f"strategy={strategy}", f"seed={seed}"]
         for strategy in STRATEGIES
@@ -165,7 +196,7 @@ def outer_parent(wildcards):
 
 
 def group_kind(wildcards):
-    return {"sweeps": "sweep", "scaling": "scaling"}[wildcards.kind]
+    return {"sweeps": "sweep", "scaling": "scaling", "network": "network"}[wildcards.kind]
 
 
 def plan_of(wildcards):
@@ -248,6 +279,20 @@ def scaling_report(wildcards):
             "the scaling target needs worker counts: --config workers=1,2,4"
         )
     return f"results/scaling/{SCALING_ID}/report/report.md"
+
+
+def network_report(wildcards):
+    refused = refusal()
+    if refused:
+        raise WorkflowError(f"the network target: {refused}")
+    return f"results/network/{NETWORK_ID}/report/report.md"
+
+
+NETWORK_RUNS = GROUP_RUNS[f"network/{NETWORK_ID}"]
+
+
+def network_inputs(wildcards):
+    return [f"results/runs/{run}/network.json" for run in NETWORK_RUNS]
 
 
 def report_runs(wildcards):

@@ -29,3 +29,28 @@ rule report:
         runs=report_run_list,
     shell:
         "python -m distrepro.report 'report.runs={params.runs}' report.out_dir=results/{wildcards.reportdir} > {log} 2>&1"
+
+
+rule network_report:
+    input:
+        network_inputs,
+    output:
+        md="results/network/{id}/report/report.md",
+        curves=report(
+            "results/network/{id}/report/throughput.png",
+            category="Network",
+            caption="../report/network.rst",
+        ),
+        summary="results/network/{id}/report/network.json",
+    log:
+        "logs/report/network/{id}.log",
+    benchmark:
+        "results/benchmarks/report/network/{id}.tsv"
+    wildcard_constraints:
+        id="[0-9a-f]+",
+    conda:
+        "../../environment.yml"
+    params:
+        runs=lambda wildcards, input: " ".join(str(Path(f).parent) for f in input),
+    shell:
+        "python -m distrepro.network_report results/network/{wildcards.id}/report {params.runs} > {log} 2>&1"

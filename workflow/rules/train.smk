@@ -33,6 +33,39 @@ rule train:
         "exec python -m distrepro.launch {params.overrides} > {log} 2>&1"
 
 
+# A run of the network experiment: the same training on hosts of its own,
+# joined by links of its network.bandwidth (distrepro.network, as root); it
+# also writes the run's metrics.json.
+rule network_train:
+    input:
+        unpack(train_inputs),
+    output:
+        "results/runs/{run}/network.json",
+        "results/runs/{run}/metrics.json",
+    log:
+        "logs/network/{run}.log",
+    benchmark:
+        "results/benchmarks/network/{run}.tsv"
+    wildcard_constraints:
+        run="|".join(NETWORK_RUNS) or "^$",
+    retries: config["train_retries"]
+    conda:
+        "../../environment.yml"
+    threads: train_threads_of
+    resources:
+        mem_mb=memory_of,
+    params:
+        overrides=run_overrides,
+        plan=plan_of,
+    message:
+        "{wildcards.run}: {params.plan}, on links of its own"
+    shell:
+        "exec python -m distrepro.network {params.overrides} > {log} 2>&1"
+
+
+ruleorder: network_train > train
+
+
 rule group_parent:
     input:
         "results/mlflow/experiment_id",
@@ -43,7 +76,7 @@ rule group_parent:
     benchmark:
         "results/benchmarks/group_parent/{kind}/{id}.tsv"
     wildcard_constraints:
-        kind="sweeps|scaling",
+        kind="sweeps|scaling|network",
         id="[0-9a-f]+",
     conda:
         "../../environment.yml"
@@ -64,7 +97,7 @@ rule setting_parent:
     benchmark:
         "results/benchmarks/setting_parent/{scope}/{setting}.tsv"
     wildcard_constraints:
-        scope="reproduce|(sweeps|scaling)/[0-9a-f]+",
+        scope="reproduce|(sweeps|scaling|network)/[0-9a-f]+",
     conda:
         "../../environment.yml"
     params:

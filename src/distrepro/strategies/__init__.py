@@ -10,6 +10,10 @@ Launcher side (importing no TensorFlow):
     run(cfg, config_path, restarts) -> str | None
                                     start and supervise the processes once;
                                     why they failed, or None
+    EXCHANGE                        "all-reduce" or "parameter server": how the
+                                    cost model (costmodel) counts its bytes
+    BACKWARD_OVERLAP                the share of the backward pass its
+                                    exchange may overlap (costmodel)
 
 Training-process side: its `Distribution` (training.distribution), which the
 shared process setup and training loop drive.

@@ -32,6 +32,8 @@ from distrepro.strategies.synchronous import (  # noqa: F401  (the interface)
 from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.horovod"
+EXCHANGE = "all-reduce"
+BACKWARD_OVERLAP = 1.0  # Horovod reduces each gradient as the backward pass produces it
 DISCOVERY_SCRIPT = "discover_hosts.sh"
 ELASTIC_HOSTS = "elastic_hosts"  # what the discovery script lists; edit it to add or drop hosts
 COOLDOWN_S = (5, 60)  # a failed host is left out this long, doubling with each failure

@@ -38,6 +38,8 @@ from distrepro.strategies.synchronous import (  # noqa: F401  (the interface)
 from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.multi_worker_mirrored"
+EXCHANGE = "all-reduce"
+BACKWARD_OVERLAP = 0.0  # TensorFlow reduces the gradients once the backward pass is done
 COMMUNICATIONS = ("auto", "ring", "nccl")  # auto: RING on CPU, NCCL with GPUs
 
 

@@ -33,6 +33,8 @@ from distrepro.processes import Restarts, free_ports, process_env, start, stop
 from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.parameter_server"
+EXCHANGE = "parameter server"
+BACKWARD_OVERLAP = 0.0  # a worker sends its gradients after its backward pass
 
 
 def validate(cfg: DictConfig) -> None:

@@ -16,7 +16,12 @@ from distrepro import tracking
 from distrepro.atomic import write_json_atomically
 from distrepro.config import setting_name
 from distrepro.stats import time_to_target
-from distrepro.traces import collective_share, exchange_shares, worker_wait_share
+from distrepro.traces import (
+    collective_share,
+    exchange_shares,
+    gradients_ready_within_s,
+    worker_wait_share,
+)
 
 
 def unreadable(checkpoint: str) -> str | None:
@@ -39,6 +44,7 @@ class RunFiles:
 
     def __init__(self, run_dir: Path, model, optimizer, is_chief: bool, scratch: Path | None):
         self.run_dir, self.is_chief, self.scratch = run_dir, is_chief, scratch
+        self.model = model
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=self.epoch)
         self.manager = tf.train.CheckpointManager(checkpoint, run_dir / "checkpoints", 2)
@@ -95,6 +101,10 @@ class RunFiles:
             "global_batch_size": cfg.train.global_batch_size,
             "num_workers": cfg.strategy.num_workers,
             "num_ps": cfg.strategy.num_ps,
+            "parameters": int(self.model.count_params()),
+            "trainable_parameters": int(
+                sum(math.prod(w.shape) for w in self.model.trainable_weights)
+            ),
             "epochs": len(history),
             "images_per_sec": sum(rates) / len(rates),
             "total_time_s": sum(h["epoch_time_s"] for h in history),
@@ -115,6 +125,7 @@ class RunFiles:
         timeline = self.run_dir / PROFILE_DIR / HOROVOD_TIMELINE
         if timeline.exists():
             metrics |= exchange_shares(timeline)
+            metrics["gradients_ready_within_s"] = gradients_ready_within_s(timeline)
         traces = (self.run_dir / PROFILE_DIR).glob(f"{WORKER_TRACES}/**/*.xplane.pb")
         shares = [s for s in map(worker_wait_share, traces) if not math.isnan(s)]
         if shares:

@@ -85,7 +85,7 @@ def train_loop(
             )
             record = epoch_record(
                 len(progress.history) + 1, trainer, correct, images_per_sec, end - progress.started
-            )
+            ) | {"timed_window": [progress.timed_from, end]}
             progress.history = [*progress.history, record | {"workers": progress.fewest_workers}]
             progress.batch = 0
             end_epoch(cfg, files, progress.history)
@@ -129,7 +129,9 @@ def epoch_bar(cfg, files: RunFiles, epoch: int, updates_per_epoch: int):
 
 
 def epoch_record(epoch: int, trainer: Trainer, correct, images_per_sec, epoch_time_s) -> dict:
-    """One epoch's line of history.json; correct: [top-1, top-5, images]."""
+    """One epoch's line of history.json; correct: [top-1, top-5, images]. (The
+    loop adds the timed part's wall-clock window, which the network experiment
+    matches with its interface counters.)"""
     top1, top5, images = correct
     return {
         "epoch": epoch,

@@ -1,0 +1,310 @@
+"""One training of the network experiment, on hosts of its own: network
+namespaces joined by a switch (scripts/hosts.sh), each host's link shaped to
+network.bandwidth in both directions (`tc tbf`; "unshaped": none). node1, the
+head, runs the launcher, and with it the parameter server's ps tasks and
+coordinator; node2, node3.. a worker each.
+
+Before training, the link's rate is measured (one TCP stream, node2 to
+node1); while training, the switch's port counters are sampled; afterwards
+run_dir/network.json holds what each host sent and received per step (a
+global batch) over the timed part of every epoch but the first, beside what
+the model's size implies (costmodel), and the MLflow run gets both.
+
+    python -m distrepro.network network.bandwidth=10mbit [OVERRIDES..]   (as root)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from distrepro import costmodel, strategies
+from distrepro.atomic import write_json_atomically
+from distrepro.config import REPO, compose_config, run_name
+from distrepro.handoff import ON_SHAPED_HOSTS
+from distrepro.processes import end_with_parent, start, stop
+
+HOSTS_SH = str(REPO / "scripts" / "hosts.sh")
+HEAD = "node1"
+RATE = re.compile(r"^[0-9]+(kbit|mbit|gbit)$")
+UNSHAPED = "unshaped"
+PROBE_PORT = 5201
+PROBE_S = 2.0
+SAMPLE_S = 0.25
+TOOLS = ("ip", "tc", "ssh", "sshd", "unshare")
+
+
+class NetworkError(ValueError):
+    """The experiment cannot run here, or network.bandwidth cannot be read."""
+
+
+def layout(num_workers: int) -> str:
+    """strategy.hosts of the experiment: the head with no worker slot, then a
+    host per worker."""
+    return ",".join([f"{HEAD}:0", *(f"node{i + 2}:1" for i in range(num_workers))])
+
+
+def validate(cfg: DictConfig) -> None:
+    bandwidth = cfg.network.bandwidth
+    if bandwidth is None:
+        raise NetworkError("network.bandwidth is not set: give a rate (10mbit, 1gbit) or unshaped")
+    if bandwidth != UNSHAPED and not RATE.match(bandwidth):
+        raise NetworkError(
+            f"network.bandwidth={bandwidth!r} is not a rate in tc's units (10mbit, 1gbit) "
+            f"or {UNSHAPED!r}"
+        )
+    if cfg.strategy.hosts != layout(cfg.strategy.num_workers):
+        raise NetworkError(
+            f"strategy.hosts={cfg.strategy.hosts!r}: the network experiment places the "
+            f"processes itself ({layout(cfg.strategy.num_workers)!r}); leave it unset"
+        )
+    refused = refusal()
+    if refused:
+        raise NetworkError(refused)
+
+
+def refusal() -> str | None:
+    """Why this machine cannot make the experiment's hosts, or None."""
+    if os.geteuid() != 0:
+        return (
+            "the network experiment makes hosts of network namespaces and shapes their links "
+            "with tc: run it as root"
+        )
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if re.match(r"https?://(localhost|127\.)", uri):
+        return (
+            f"MLFLOW_TRACKING_URI={uri}: the hosts have loopbacks of their own; use the "
+            "default store (sqlite) or a server address they can reach"
+        )
+    missing = [tool for tool in TOOLS if not shutil.which(tool)]
+    if missing:
+        return f"the network experiment needs {', '.join(missing)}: run `scripts/packages.sh test`"
+    return None
+
+
+def hosts_command(folder: Path, *args: str) -> list[str]:
+    return [HOSTS_SH, *args[:1], str(folder), *args[1:]]
+
+
+def link_rate(folder: Path) -> float:
+    """Bytes/s of one TCP stream from node2 to the head, over two links."""
+    python = [sys.executable, "-m", "distrepro.network"]
+    receiver = subprocess.Popen(
+        hosts_command(folder, "run", HEAD, *python, "receive"), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        subprocess.run(hosts_command(folder, "run", "node2", *python, "send", HEAD), check=True)
+        return float(receiver.communicate(timeout=60)[0])
+    finally:
+        receiver.kill()
+
+
+def receive() -> None:
+    """Print the bytes/s of the first connection, from its first byte to its end."""
+    with socket.create_server(("0.0.0.0", PROBE_PORT)) as server:
+        connection, _ = server.accept()
+        received, first = 0, None
+        while chunk := connection.recv(1 << 16):
+            first = first or time.monotonic()
+            received += len(chunk)
+        print(received / (time.monotonic() - first))
+
+
+def send(host: str) -> None:
+    """Send for PROBE_S seconds, once the receiver listens."""
+    data = b"\0" * (1 << 16)
+    for _ in range(100):
+        try:
+            connection = socket.create_connection((host, PROBE_PORT), timeout=5)
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.1)
+    else:
+        raise SystemExit(f"network: nothing listens on {host}:{PROBE_PORT}")
+    with connection:
+        until = time.monotonic() + PROBE_S
+        while time.monotonic() < until:
+            connection.sendall(data)
+
+
+class Counters:
+    """The switch's port counters, sampled in a thread: (time, {host: [sent,
+    received]}); port i is node i's cable, its rx what the host sent."""
+
+    def __init__(self, folder: Path):
+        self.switch = next(
+            ns for ns in (folder / "namespaces").read_text().split() if ns.endswith("-switch")
+        )
+        self.samples: list[tuple[float, dict[str, list[int]]]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def read(self) -> dict[str, list[int]]:
+        listing = subprocess.run(
+            ["ip", "-n", self.switch, "-s", "-j", "link", "show"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return {
+            f"node{link['ifname'][len('port') :]}": [
+                link["stats64"]["rx"]["bytes"],
+                link["stats64"]["tx"]["bytes"],
+            ]
+            for link in json.loads(listing)
+            if link["ifname"].startswith("port")
+        }
+
+    def sample(self) -> None:
+        while not self.done.is_set():
+            self.samples.append((time.time(), self.read()))
+            self.done.wait(SAMPLE_S)
+
+    def __enter__(self) -> Counters:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def at(self, when: float) -> dict[str, list[float]]:
+        """The counters at `when`, interpolated between samples."""
+        before = max((s for s in self.samples if s[0] <= when), key=lambda s: s[0])
+        after = min((s for s in self.samples if s[0] >= when), key=lambda s: s[0])
+        share = (when - before[0]) / (after[0] - before[0]) if after[0] > before[0] else 0.0
+        return {
+            host: [
+                b + share * (a - b) for b, a in zip(before[1][host], after[1][host], strict=True)
+            ]
+            for host in before[1]
+        }
+
+
+def bytes_per_step(counters: Counters, history: list[dict], global_batch: int) -> dict:
+    """Bytes each host sent and received per step over the timed parts of the
+    epochs after the first (those the sampling covers)."""
+    first, last = counters.samples[0][0], counters.samples[-1][0]
+    windows = [
+        (record["timed_window"], record["images_per_sec"])
+        for record in history[1:]
+        if first <= record["timed_window"][0] and record["timed_window"][1] <= last
+    ]
+    if not windows:
+        raise NetworkError("no timed epoch after the first lies within the counters' samples")
+    totals: dict[str, list[float]] = {}
+    steps = 0.0
+    for (start_s, end_s), rate in windows:
+        begin, end = counters.at(start_s), counters.at(end_s)
+        for host in begin:
+            moved = [e - b for b, e in zip(begin[host], end[host], strict=True)]
+            totals[host] = [t + m for t, m in zip(totals.get(host, [0.0, 0.0]), moved, strict=True)]
+        steps += rate * (end_s - start_s) / global_batch
+    per_step = {
+        host: {"sent": sent / steps, "received": received / steps}
+        for host, (sent, received) in sorted(totals.items())
+    }
+    return {"steps": steps, "per_step": per_step}
+
+
+def by_role(per_step: dict, num_workers: int, exchange: str) -> dict:
+    """Measured bytes per step on a worker's link (their mean) and the ps host's."""
+    workers = [per_step[f"node{i + 2}"] for i in range(num_workers)]
+    roles = {
+        "worker": {way: sum(w[way] for w in workers) / num_workers for way in ("sent", "received")}
+    }
+    if exchange == "parameter server":
+        roles["ps"] = per_step[HEAD]
+    return roles
+
+
+def expected(cfg: DictConfig, metrics: dict) -> dict:
+    strategy = strategies.of(cfg)
+    return costmodel.expected_bytes(
+        strategy.EXCHANGE,
+        cfg.strategy.num_workers,
+        cfg.strategy.num_ps,
+        costmodel.gradient_bytes(metrics["trainable_parameters"], cfg.strategy.fp16_allreduce),
+        costmodel.variable_bytes(metrics["parameters"]),
+    )
+
+
+def train(cfg: DictConfig, overrides: list[str]) -> Path:
+    """Make the hosts, measure the link, train on them, take the counters
+    down with everything else; write and log run_dir/network.json."""
+    run_dir = Path(cfg.results_dir) / run_name(cfg)
+    if (run_dir / "network.json").exists():
+        print(f"{run_dir} is complete; nothing to do")
+        return run_dir
+    folder = Path(tempfile.mkdtemp(prefix="distrepro-hosts-"))
+    rate = [] if cfg.network.bandwidth == UNSHAPED else [cfg.network.bandwidth]
+    hosts = str(cfg.strategy.num_workers + 1)
+    try:
+        subprocess.run(hosts_command(folder, "up", hosts, *rate), check=True)
+        measured_rate = link_rate(folder)
+        print(f"network: {cfg.network.bandwidth} links carry {measured_rate / 1e6:.2f} MB/s")
+        launch = [sys.executable, "-m", "distrepro.launch", *overrides]
+        with Counters(folder) as counters:
+            launcher = start(hosts_command(folder, "run", HEAD, *launch), {ON_SHAPED_HOSTS: "1"})
+            try:
+                code = launcher.wait()
+            finally:
+                stop([launcher])
+        if code:
+            raise SystemExit(f"network: the launcher exited with {code}")
+    finally:
+        subprocess.run(hosts_command(folder, "down"), check=True)
+        shutil.rmtree(folder)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    moved = bytes_per_step(counters, metrics["history"], cfg.train.global_batch_size)
+    exchange = strategies.of(cfg).EXCHANGE
+    record = {
+        "bandwidth": cfg.network.bandwidth,
+        "link_bytes_per_s": measured_rate,
+        "exchange": exchange,
+        **moved,
+        "measured": by_role(moved["per_step"], cfg.strategy.num_workers, exchange),
+        "expected": expected(cfg, metrics),
+    }
+    write_json_atomically(run_dir / "network.json", record)
+    from distrepro import tracking
+
+    tracking.log_network(run_dir, record)
+    return run_dir
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["receive"]:
+        return receive()
+    if argv[:1] == ["send"]:
+        return send(argv[1])
+    # SIGTERM (Snakemake's end, a scheduler) unwinds, so that the hosts come down.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    end_with_parent(signal.SIGTERM)
+    overrides = list(argv)
+    cfg = compose_config(overrides)
+    if cfg.strategy.hosts is None:
+        overrides.append(f"strategy.hosts='{layout(cfg.strategy.num_workers)}'")
+        cfg = compose_config(overrides)
+    try:
+        validate(cfg)
+    except NetworkError as error:
+        raise SystemExit(f"network: {error}") from None
+    run_dir = train(cfg, overrides)
+    print(json.dumps(json.loads((run_dir / "network.json").read_text())))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
