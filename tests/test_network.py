@@ -157,7 +157,7 @@ def test_two_bandwidths_two_workers_measure_the_links_and_check_the_model(tmp_pa
     skip_without_root()
     before = namespaces()
     repo = copy_repo(tmp_path / "repo")
-    config = ["bandwidths=50mbit,1gbit", "seeds=1", "overrides=train.epochs=2"]
+    config = ["bandwidths=50mbit,1gbit", "workers=2", "seeds=1", "overrides=train.epochs=2"]
     run(["snakemake", "--cores", "all", "network", "--config", *config], repo, timeout=1800)
     assert namespaces() == before
     (report_dir,) = repo.glob("results/network/*/report")

@@ -24,6 +24,8 @@ SEEDS = (
     if isinstance(config["seeds"], int)
     else [int(seed) for seed in config["seeds"].split(",")]
 )
+# --config workers=2 arrives as a number, workers="1,2,4" as text.
+WORKER_COUNTS = [int(n) for n in str(config["workers"]).split(",") if n]
 
 
 def base_overrides():
@@ -58,7 +60,7 @@ def sweep_points():
 def scaling_points():
     """Each strategy at each worker count of `workers`, the batch per worker
     fixed at the configured one (weak scaling), every seed."""
-    counts = [int(n) for n in config["workers"].split(",")]
+    counts = WORKER_COUNTS
     if min(counts) < 1:
         raise WorkflowError(
             f"workers={config['workers']}: a worker count must be at least 1"
@@ -95,9 +97,8 @@ def network_points():
     points = []
     for strategy in STRATEGIES:
         base = compose_config(base_overrides() + [f"strategy={strategy}"])
-        counts = [int(n) for n in config["workers"].split(",")] if config["workers"] else []
         for workers, bandwidth, seed in itertools.product(
-            counts or [base.strategy.num_workers], bandwidths, SEEDS
+            WORKER_COUNTS or [base.strategy.num_workers], bandwidths, SEEDS
         ):
             points.append(
                 base_overrides()
@@ -127,7 +128,7 @@ NETWORK_ID = group_id(
 # another, a finished run is left as it is.)
 GROUPS = {
     f"sweeps/{SWEEP_ID}": sweep_points() if config["sweep"] else [],
-    f"scaling/{SCALING_ID}": scaling_points() if config["workers"] else [],
+    f"scaling/{SCALING_ID}": scaling_points() if WORKER_COUNTS else [],
     f"network/{NETWORK_ID}": network_points(),
     "reproduce": [
         base_overrides() + [f"strategy={strategy}", f"seed={seed}"]
@@ -274,7 +275,7 @@ def sweep_report():
 
 
 def scaling_report(wildcards):
-    if not config["workers"]:
+    if not WORKER_COUNTS:
         raise WorkflowError(
             "the scaling target needs worker counts: --config workers=1,2,4"
         )
