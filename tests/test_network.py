@@ -179,7 +179,8 @@ def test_two_bandwidths_two_workers_measure_the_links_and_check_the_model(tmp_pa
             if r["strategy"] == strategy
         }
         assert rate["50mbit"] < rate["1gbit"], (strategy, rate)
-    assert all(r["best_top1"] > 0.2 for r in runs)  # chance is 0.1
+    for r in runs:  # two epochs train, on every link
+        assert r["history"][1]["train_loss"] < r["history"][0]["train_loss"], r["run_name"]
     store = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     (experiment,) = store.search_experiments()
     (parent,) = store.search_runs([experiment.experiment_id], "tags.network != ''")

@@ -94,18 +94,19 @@ def refusal() -> str | None:
     return None
 
 
-def hosts_command(folder: Path, *args: str) -> list[str]:
-    return [HOSTS_SH, *args[:1], str(folder), *args[1:]]
+def hosts_sh(action: str, folder: Path, *args: str) -> list[str]:
+    """scripts/hosts.sh ACTION DIR ARGS.."""
+    return [HOSTS_SH, action, str(folder), *args]
 
 
 def link_rate(folder: Path) -> float:
     """Bytes/s of one TCP stream from node2 to the head, over two links."""
     python = [sys.executable, "-m", "distrepro.network"]
     receiver = subprocess.Popen(
-        hosts_command(folder, "run", HEAD, *python, "receive"), stdout=subprocess.PIPE, text=True
+        hosts_sh("run", folder, HEAD, *python, "receive"), stdout=subprocess.PIPE, text=True
     )
     try:
-        subprocess.run(hosts_command(folder, "run", "node2", *python, "send", HEAD), check=True)
+        subprocess.run(hosts_sh("run", folder, "node2", *python, "send", HEAD), check=True)
         return float(receiver.communicate(timeout=60)[0])
     finally:
         receiver.kill()
@@ -113,7 +114,7 @@ def link_rate(folder: Path) -> float:
 
 def receive() -> None:
     """Print the bytes/s of the first connection, from its first byte to its end."""
-    with socket.create_server(("0.0.0.0", PROBE_PORT)) as server:
+    with socket.create_server((HEAD, PROBE_PORT)) as server:
         connection, _ = server.accept()
         received, first = 0, None
         while chunk := connection.recv(1 << 16):
@@ -248,16 +249,21 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
     if (run_dir / "network.json").exists():
         print(f"{run_dir} is complete; nothing to do")
         return run_dir
+    if (run_dir / "metrics.json").exists():
+        raise NetworkError(
+            f"{run_dir} finished training but has no network.json: its link counters are lost; "
+            "move the directory away to train it again"
+        )
     folder = Path(tempfile.mkdtemp(prefix="distrepro-hosts-"))
     rate = [] if cfg.network.bandwidth == UNSHAPED else [cfg.network.bandwidth]
     hosts = str(cfg.strategy.num_workers + 1)
     try:
-        subprocess.run(hosts_command(folder, "up", hosts, *rate), check=True)
+        subprocess.run(hosts_sh("up", folder, hosts, *rate), check=True)
         measured_rate = link_rate(folder)
         print(f"network: {cfg.network.bandwidth} links carry {measured_rate / 1e6:.2f} MB/s")
         launch = [sys.executable, "-m", "distrepro.launch", *overrides]
         with Counters(folder) as counters:
-            launcher = start(hosts_command(folder, "run", HEAD, *launch), {ON_SHAPED_HOSTS: "1"})
+            launcher = start(hosts_sh("run", folder, HEAD, *launch), {ON_SHAPED_HOSTS: "1"})
             try:
                 code = launcher.wait()
             finally:
@@ -265,7 +271,7 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         if code:
             raise SystemExit(f"network: the launcher exited with {code}")
     finally:
-        subprocess.run(hosts_command(folder, "down"), check=True)
+        subprocess.run(hosts_sh("down", folder), check=True)
         shutil.rmtree(folder)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     moved = bytes_per_step(counters, metrics["history"], cfg.train.global_batch_size)
@@ -279,7 +285,7 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         "expected": expected(cfg, metrics),
     }
     write_json_atomically(run_dir / "network.json", record)
-    from distrepro import tracking
+    from distrepro import tracking  # mlflow: 2 s to import, not for the probe's receive/send
 
     tracking.log_network(run_dir, record)
     return run_dir
@@ -300,9 +306,9 @@ def main(argv: list[str]) -> None:
         cfg = compose_config(overrides)
     try:
         validate(cfg)
+        run_dir = train(cfg, overrides)
     except NetworkError as error:
         raise SystemExit(f"network: {error}") from None
-    run_dir = train(cfg, overrides)
     print(json.dumps(json.loads((run_dir / "network.json").read_text())))
 
 
