@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from distrepro.traces import covered, exchange_shares
+from distrepro.traces import covered, exchange_shares, gradients_ready_within_s
 
 
 def test_union_of_intervals():
@@ -36,3 +36,12 @@ def test_shares_of_a_window_with_two_tensors(tmp_path):
     shares = exchange_shares(path)
     assert shares["allreduce_share"] == pytest.approx(30 / 100)  # 20-50
     assert shares["negotiate_share"] == pytest.approx((30 + 10) / 100)  # 0-30, 90-100
+
+
+def test_how_spread_out_a_steps_gradients_become_ready(tmp_path):
+    # two tensors a step; the steps' spreads: 5, 30 and 10 us
+    ready = [(0, 1), (5, 2), (1000, 2), (1030, 1), (2000, 1), (2010, 2)]
+    events = [{"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": t, "pid": p} for t, p in ready]
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps(events))
+    assert gradients_ready_within_s(path) == pytest.approx(10e-6)  # the median
