@@ -134,6 +134,11 @@ def test_predict_prints_the_seeds_figures_beside_its_predictions():
         error = (predicted[strategy] - published) / published
         assert f"{predicted[strategy]:,.0f}" in line and f"{error:+.0%}" in line, line
     assert "NVIDIA DeepLearningExamples" in printed.stdout  # the sources, printed
+    elsewhere = [sys.executable, "-m", "distrepro.predict", "experiment=aws_horovod_32gpu"]
+    faster = run(
+        [*elsewhere, "hardware.link_gbit=100"], REPO
+    ).stdout  # no longer the published setting
+    assert "19600" in run(elsewhere, REPO).stdout and "19600" not in faster.split("(no")[0]
     # a slower network between 32 GPUs' hosts costs the all-reduce
     cluster = ["experiment=aws_horovod_32gpu"]
     fast = predict.predictions(compose_config(cluster))["horovod"]

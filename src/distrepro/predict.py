@@ -4,7 +4,7 @@ place your own cluster on the curve by overriding them.
 
     python -m distrepro.predict experiment=aws_blog_8gpu       (the seed, beside its figures)
     python -m distrepro.predict experiment=aws_horovod_32gpu   (AWS's 32-GPU Horovod run)
-    python -m distrepro.predict hardware=p3_16xlarge hardware.link_gbit=100 strategy.num_workers=16
+    python -m distrepro.predict experiment=aws_horovod_32gpu hardware.link_gbit=100
 """
 
 from __future__ import annotations
@@ -66,8 +66,22 @@ def refusal(cfg: DictConfig) -> str | None:
     return None
 
 
-def table(cfg: DictConfig, predicted: dict[str, float]) -> list[str]:
-    published = (cfg.published or {}).get("images_per_sec", {})
+def published_here(cfg: DictConfig, hardware_changed: bool) -> dict:
+    """The experiment's published img/s, when cfg is still the setting they
+    were measured in (not another worker count, batch or machine)."""
+    if not cfg.published:
+        return {}
+    setting = cfg.published.setting
+    same = (
+        not hardware_changed
+        and cfg.hardware.name == setting.hardware
+        and cfg.strategy.num_workers == setting.num_workers
+        and cfg.train.global_batch_size == setting.global_batch_size
+    )
+    return cfg.published.images_per_sec if same else {}
+
+
+def table(predicted: dict[str, float], published: dict) -> list[str]:
     lines = [f"{'strategy':<24}{'predicted img/s':>16}{'published':>12}{'error':>9}"]
     for name, rate in predicted.items():
         known = published.get(name)
@@ -101,9 +115,13 @@ def main(cfg: DictConfig) -> None:
     )
     if hardware.device_model != cfg.model.name:
         print(f"note: hardware.device_img_s was measured with {hardware.device_model}")
-    print("\n".join(table(cfg, predictions(cfg))))
-    if cfg.published:
+    changed = any(o.startswith("hardware.") for o in HydraConfig.get().overrides.task)
+    published = published_here(cfg, changed)
+    print("\n".join(table(predictions(cfg), published)))
+    if published:
         print(f"published: {cfg.published.source}")
+    elif cfg.published:
+        print(f"(no published figure: they are for {dict(cfg.published.setting)} as published)")
     print("\nInputs and their sources:\n" + sources(HydraConfig.get().runtime.choices["hardware"]))
 
 
