@@ -187,8 +187,10 @@ def test_two_bandwidths_two_workers_measure_the_links_and_check_the_model(tmp_pa
     for r in runs:  # two epochs train, on every link
         assert r["history"][1]["train_loss"] < r["history"][0]["train_loss"], r["run_name"]
     store = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    (experiment,) = store.search_experiments()
-    (parent,) = store.search_runs([experiment.experiment_id], "tags.network != ''")
+    (experiment,) = [e for e in store.search_experiments() if e.name == "distrepro"]
+    (parent,) = [
+        r for r in store.search_runs([experiment.experiment_id]) if "network" in r.data.tags
+    ]
     settings = store.search_runs(
         [experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )

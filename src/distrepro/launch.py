@@ -24,14 +24,14 @@ from distrepro.processes import Restarts, TrainingFailed, end_with_parent
 
 
 def validate(cfg: DictConfig) -> None:
-    validate_values(cfg)
-    validate_devices(cfg.strategy)
-    validate_data(cfg)
     if cfg.network.bandwidth and ON_SHAPED_HOSTS not in os.environ:
         raise ConfigError(
             f"network.bandwidth={cfg.network.bandwidth}: a run on shaped links starts on hosts "
             "of its own: `python -m distrepro.network` (as root) makes them and launches there"
         )
+    validate_values(cfg)
+    validate_devices(cfg.strategy)
+    validate_data(cfg)
 
 
 def validate_values(cfg: DictConfig) -> None:
