@@ -26,9 +26,8 @@ from distrepro.atomic import write_json_atomically  # noqa: E402
 from distrepro.network import UNSHAPED  # noqa: E402
 from distrepro.report import markdown_table  # noqa: E402
 
-COMM_BOUND = (
-    1.0  # a run is communication-bound when the model's communication time exceeds its compute
-)
+# A run is communication-bound when the model's communication time exceeds its compute.
+COMM_BOUND = 1.0
 WHY_BYTES = {
     "all-reduce": (
         "All-reduce: the ring's 2(N-1)/N x gradient bytes, plus TCP/IP headers and "
@@ -75,10 +74,11 @@ def model_inputs(run: dict) -> tuple[float, float]:
     return gradients, costmodel.variable_bytes(run["parameters"])
 
 
-def prediction(run: dict, unshaped: list[dict]) -> tuple[float, float]:
-    """(img/s, communication s per step) the cost model gives for run's link
-    rate, from its strategy's unshaped runs: their time per step (the compute
-    time) and when traced by Horovod, how spread out its gradients become ready."""
+def prediction(run: dict, unshaped: list[dict]) -> tuple[float, float, float]:
+    """(img/s, communication s per step, compute s per step) the cost model
+    gives for run's link rate, from its strategy's unshaped runs: their time
+    per step (the compute time) and, when traced by Horovod, how spread out
+    its gradients become ready."""
     module = strategies.module(run["strategy"])
     compute_s = (
         run["global_batch_size"] / stats.mean_interval([r["rate"] for r in unshaped]).estimate
