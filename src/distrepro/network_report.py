@@ -107,9 +107,9 @@ def curves(grouped: dict[tuple, list[dict]]) -> list[dict]:
     """One row per shaped setting: measured mean and interval, link rate,
     predicted img/s and its error, communication share."""
     rows = []
-    for (strategy, workers, bandwidth), group in sorted(grouped.items()):
-        if bandwidth == UNSHAPED:
-            continue
+    shaped = [key for key in grouped if key[2] != UNSHAPED]
+    for strategy, workers, bandwidth in sorted(shaped, key=lambda k: (k[0], k[1], megabit(k[2]))):
+        group = grouped[(strategy, workers, bandwidth)]
         unshaped = grouped.get((strategy, workers, UNSHAPED))
         measured = stats.mean_interval([r["rate"] for r in group])
         row = {
