@@ -205,3 +205,43 @@ def test_two_bandwidths_two_workers_measure_the_links_and_check_the_model(tmp_pa
         ["50mbit", "1gbit", "unshaped"] * len(REGISTRY)
     )
     assert all("measured_worker_sent_mb_per_step" in r.data.metrics for r in trained)
+
+
+def test_the_report_orders_rates_and_finds_where_two_strategies_cross():
+    from distrepro import network_report
+
+    def run(strategy, bandwidth, rate):
+        link = {"unshaped": 1e9, "10mbit": 1.2e6, "1000mbit": 1.2e8}[bandwidth]
+        return {
+            "strategy": strategy,
+            "num_workers": 2,
+            "num_ps": 1,
+            "global_batch_size": 64,
+            "parameters": 1000,
+            "trainable_parameters": 1000,
+            "fp16_allreduce": False,
+            "rate": rate,
+            "network": {"bandwidth": bandwidth, "link_bytes_per_s": link},
+        }
+
+    runs = [  # Horovod twice the parameter server's rate at 10 Mbit/s, half at 1000
+        run("horovod", "1000mbit", 300.0),
+        run("horovod", "10mbit", 200.0),
+        run("horovod", "unshaped", 320.0) | {"gradients_ready_within_s": 0.0},  # no overlap
+        run("parameter_server", "1000mbit", 600.0),
+        run("parameter_server", "10mbit", 100.0),
+    ]
+    rows = network_report.curves(network_report.settings(runs))
+    assert [(r["strategy"], r["bandwidth"]) for r in rows] == [
+        ("horovod", "10mbit"),
+        ("horovod", "1000mbit"),
+        ("parameter_server", "10mbit"),
+        ("parameter_server", "1000mbit"),
+    ]
+    # the unshaped 0.2 s a step, then the ring's 4 kB at 1.2 MB/s, none of it overlapped
+    assert rows[0]["predicted"] == pytest.approx(64 / (0.2 + 4000 / 1.2e6))
+    assert "parameter_server" not in [r["strategy"] for r in rows if "predicted" in r]
+    (crossing,) = [
+        s for s in network_report.crossings(rows) if s.startswith("horovod and parameter")
+    ]
+    assert "cross near 100 Mbit/s" in crossing  # halfway between 10 and 1000 on a log scale
