@@ -119,7 +119,11 @@ SCALING_ID = group_id(
     config["experiment"], config["overrides"], config["workers"], SEEDS
 )
 NETWORK_ID = group_id(
-    config["experiment"], config["overrides"], config["workers"], config["bandwidths"], SEEDS
+    config["experiment"],
+    config["overrides"],
+    config["workers"],
+    config["bandwidths"],
+    SEEDS,
 )
 # The runs of each group, by the results/ folder of its report. A run in
 # several groups (with --config sweep or workers, reproduce's runs may be
@@ -138,11 +142,25 @@ GROUPS = {
 }
 ALL_OVERRIDES = [o for group in GROUPS.values() for o in group]
 CONFIGS = compose_many(ALL_OVERRIDES)
-for overrides, cfg in zip(ALL_OVERRIDES, CONFIGS):
+SCOPES = [scope for scope, group in GROUPS.items() for _ in group]
+NETWORK_SCOPE = f"network/{NETWORK_ID}"
+# The network group is always composed, as its target may be asked for; what
+# it cannot run (its traced runs need epochs of 15 updates) stops that target
+# alone, saying why, not every other.
+NETWORK_REFUSED = None
+for scope, overrides, cfg in zip(SCOPES, ALL_OVERRIDES, CONFIGS):
     try:
         validate_values(cfg)
     except ConfigError as error:
-        raise WorkflowError(f"{error} (overrides: {shlex.join(overrides)})") from None
+        refused = f"{error} (overrides: {shlex.join(overrides)})"
+        if scope != NETWORK_SCOPE:
+            raise WorkflowError(refused) from None
+        NETWORK_REFUSED = NETWORK_REFUSED or refused
+if NETWORK_REFUSED:
+    kept = [i for i, scope in enumerate(SCOPES) if scope != NETWORK_SCOPE]
+    ALL_OVERRIDES = [ALL_OVERRIDES[i] for i in kept]
+    CONFIGS = [CONFIGS[i] for i in kept]
+    GROUPS[NETWORK_SCOPE] = []
 RUNS = {}  # run -> (overrides, config), the first group's overrides for a shared run
 for overrides, cfg in zip(ALL_OVERRIDES, CONFIGS):
     RUNS.setdefault(run_name(cfg), (overrides, cfg))
@@ -197,7 +215,9 @@ def outer_parent(wildcards):
 
 
 def group_kind(wildcards):
-    return {"sweeps": "sweep", "scaling": "scaling", "network": "network"}[wildcards.kind]
+    return {"sweeps": "sweep", "scaling": "scaling", "network": "network"}[
+        wildcards.kind
+    ]
 
 
 def plan_of(wildcards):
@@ -283,13 +303,13 @@ def scaling_report(wildcards):
 
 
 def network_report(wildcards):
-    refused = refusal()
+    refused = refusal() or NETWORK_REFUSED
     if refused:
         raise WorkflowError(f"the network target: {refused}")
     return f"results/network/{NETWORK_ID}/report/report.md"
 
 
-NETWORK_RUNS = GROUP_RUNS[f"network/{NETWORK_ID}"]
+NETWORK_RUNS = GROUP_RUNS[NETWORK_SCOPE]
 
 
 def network_inputs(wildcards):
