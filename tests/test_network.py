@@ -48,9 +48,8 @@ def test_step_times_follow_the_formulas_on_hand_made_numbers():
     assert step("parameter server", 0.0, one_per_host, links, 100, 200) == pytest.approx(2.0)
     slow_ps = costmodel.Links(150.0, 1500.0, 500.0, 400.0)
     assert step("parameter server", 0.0, one_per_host, slow_ps, 100, 200) == pytest.approx(4.0)
-    assert costmodel.images_per_sec(
-        "parameter server", 0.0, one_per_host, links, 100, 200
-    ) == pytest.approx(32.0)
+    # img/s: the global batch over the step
+    assert 64 / step("parameter server", 0.0, one_per_host, links, 100, 200) == pytest.approx(32.0)
 
 
 def test_the_bytes_expected_of_resnet50_in_the_seeds_setting():

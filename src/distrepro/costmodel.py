@@ -126,17 +126,6 @@ def overlap(most: float, ready_within_s: float | None, compute_s: float) -> floa
     return min(most, ready_within_s / (BACKWARD_SHARE * compute_s))
 
 
-def images_per_sec(
-    exchange: str,
-    overlap: float,
-    setting: Setting,
-    links: Links,
-    gradients: float,
-    variables: float,
-) -> float:
-    return setting.global_batch / step_time(exchange, overlap, setting, links, gradients, variables)
-
-
 def gbit(value: float) -> float:
     """Gbit/s -> bytes/s."""
     return value * 1e9 / 8

@@ -97,10 +97,10 @@ def prediction(run: dict, unshaped: list[dict]) -> tuple[float, float, float]:
     )
     links = costmodel.Links(hosts=link, devices=link, worker_ps=link, ps=link)
     gradients, variables = model_inputs(run)
-    args = (module.EXCHANGE, overlap, setting, links, gradients, variables)
+    step_s = costmodel.step_time(module.EXCHANGE, overlap, setting, links, gradients, variables)
     idle = dataclasses.replace(setting, compute_s=0.0)
     communication = costmodel.step_time(module.EXCHANGE, 0.0, idle, links, gradients, variables)
-    return costmodel.images_per_sec(*args), communication, compute_s
+    return setting.global_batch / step_s, communication, compute_s
 
 
 def curves(grouped: dict[tuple, list[dict]]) -> list[dict]:

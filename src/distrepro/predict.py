@@ -45,12 +45,14 @@ def predictions(cfg: DictConfig) -> dict[str, float]:
     parameters = cfg.model.parameters
     gradients = costmodel.gradient_bytes(parameters, cfg.strategy.fp16_allreduce)
     variables = costmodel.variable_bytes(parameters)
+    given, between = setting(cfg), links(cfg.hardware)
     return {
-        name: costmodel.images_per_sec(
+        name: given.global_batch
+        / costmodel.step_time(
             strategies.module(name).EXCHANGE,
             strategies.module(name).BACKWARD_OVERLAP,
-            setting(cfg),
-            links(cfg.hardware),
+            given,
+            between,
             gradients,
             variables,
         )
