@@ -1,18 +1,22 @@
 #!/bin/bash
-# A one-node SLURM cluster on this machine for the tests: munged, slurmctld
-# and slurmd with their config, key, state and logs in DIR, on free ports of
-# 127.0.0.1 (munged on its default socket: one such cluster at a time).
-# Clients find it through SLURM_CONF=DIR/slurm.conf, job steps through
-# slurmd's copy in /run/slurm/conf.
+# A SLURM cluster of namespace hosts for the tests: node1..nodeN made by
+# scripts/hosts.sh with their sshd stopped (every process a job starts is
+# started by SLURM), slurmctld and a slurmd on node1, a slurmd on each other
+# node, munged with one key on its default socket (one such cluster at a
+# time). Config, key, state and logs in DIR; the hosts in DIR/hosts.
+# Configless: each slurmd fetches the config from slurmctld and keeps it in
+# /run/slurm/conf, where the job steps' srun finds it (Snakemake's jobstep
+# executor drops SLURM_CONF).
 #
-#   tests/slurm.sh up DIR     start it; prints the SLURM_CONF to use
-#   tests/slurm.sh down DIR   stop its daemons (by pid) and the jobs they left
+#   tests/slurm.sh up DIR [N]       start it, N nodes (default 2)
+#   tests/slurm.sh run DIR CMD..    run CMD on node1, the login node (sbatch, squeue..)
+#   tests/slurm.sh down DIR         stop its daemons (by pid), the jobs' processes, the hosts
 set -euo pipefail
 
-action=$1
-dir=$(realpath -m "$2")
-
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+action=${1:-}
+dir=$(realpath -m "${2:-.}")
+hosts_sh=$(dirname "$(realpath "$0")")/../scripts/hosts.sh
+PORT=6817 # each daemon listens in its own host's network
 
 wait_for() { # SECONDS COMMAND..: until COMMAND succeeds
   local deadline=$((SECONDS + $1))
@@ -26,21 +30,37 @@ wait_for() { # SECONDS COMMAND..: until COMMAND succeeds
   done
 }
 
+on() { # HOST COMMAND..
+  local host=$1
+  shift
+  "$hosts_sh" run "$dir/hosts" "$host" env SLURM_CONF="$dir/slurm.conf" "$@"
+}
+
+# Mounts that give a host this machine's cgroup tree: slurmd reads it, and a
+# network namespace's fresh /sys lacks it.
+cgroup_mounts() {
+  findmnt -rn -o TARGET,FSTYPE,OPTIONS -R /sys/fs/cgroup | while read -r target type options; do
+    printf 'mkdir -p %s && mount -t %s -o %s %s %s && ' "$target" "$type" "$options" "$type" "$target"
+  done
+  echo true
+}
+
 up() {
-  mkdir -p "$dir/state" "$dir/spool"
+  local count=${1:-2} i memory
+  mkdir -p "$dir/state"
+  "$hosts_sh" up "$dir/hosts" "$count"
+  for pid in "$dir"/hosts/sshd-*.pid; do kill "$(cat "$pid")"; done
   mungekey --create --keyfile="$dir/munge.key"
   # munged on its default socket: slurmd asks for its config before it knows another.
   mkdir -p /run/munge
   munged --force --key-file="$dir/munge.key" \
     --pid-file="$dir/munged.pid" --log-file="$dir/munged.log" --seed-file="$dir/munged.seed"
-  local node memory
-  node=$(hostname -s)
-  memory=$(free -m | awk '/^Mem:/ {print int($2 * 0.9)}')
+  memory=$(free -m | awk -v n="$count" '/^Mem:/ {print int($2 * 0.9 / n)}')
   cat >"$dir/slurm.conf" <<EOF
 ClusterName=distrepro-test
-SlurmctldHost=$node(127.0.0.1)
-SlurmctldPort=$(free_port)
-SlurmdPort=$(free_port)
+SlurmctldHost=node1(10.247.0.1)
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -57,47 +77,52 @@ ReturnToService=2
 MinJobAge=600
 SlurmctldParameters=enable_configless
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool-%n
+TmpFS=$dir/tmp-%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/slurmctld.log
-SlurmdLogFile=$dir/slurmd.log
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$memory State=UNKNOWN
-PartitionName=main Nodes=$node Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile=$dir/slurmd-%n.log
 EOF
-  export SLURM_CONF=$dir/slurm.conf
-  slurmctld -f "$SLURM_CONF" -i
-  # Configless: slurmd fetches the config and keeps it in /run/slurm/conf, where the
-  # job steps' srun finds it (Snakemake's jobstep executor drops SLURM_CONF).
-  slurmd -N "$node" --conf-server "127.0.0.1:$(awk -F= '/^SlurmctldPort/ {print $2}' "$SLURM_CONF")"
-  wait_for 60 sh -c "sinfo -h -o %T | grep -qx idle"
-  echo "$SLURM_CONF"
+  for i in $(seq 1 "$count"); do
+    mkdir -p "$dir/tmp-node$i" # each node's own temporary files (PMIx's among them)
+    echo "NodeName=node$i NodeAddr=10.247.0.$i CPUs=$(nproc) RealMemory=$memory State=UNKNOWN"
+  done >>"$dir/slurm.conf"
+  echo "PartitionName=main Nodes=node[1-$count] Default=YES MaxTime=INFINITE State=UP" >>"$dir/slurm.conf"
+  on node1 slurmctld -i
+  for i in $(seq 1 "$count"); do
+    on "node$i" sh -c "$(cgroup_mounts) && exec \"\$@\"" - \
+      slurmd -N "node$i" --conf-server "10.247.0.1:$PORT"
+  done
+  wait_for 60 on node1 sh -c "[ \$(sinfo -h -N -t idle -o %N | wc -l) = $count ]"
 }
 
 down() {
-  local daemon pid
-  for daemon in slurmd slurmctld munged; do
-    pid=$(cat "$dir/$daemon.pid" 2>/dev/null || true)
+  local pidfile pid
+  for pidfile in "$dir"/slurmd-*.pid "$dir/slurmctld.pid" "$dir/munged.pid"; do
+    pid=$(cat "$pidfile" 2>/dev/null || true)
     if [ -n "$pid" ] && kill "$pid" 2>/dev/null; then
       wait_for 30 sh -c "! kill -0 $pid" || kill -9 "$pid" 2>/dev/null || true
     fi
   done
+  # What the jobs left on the hosts goes with them (hosts.sh kills every process in them).
+  "$hosts_sh" down "$dir/hosts"
   rm -rf /run/slurm/conf
   rmdir /run/slurm /run/munge 2>/dev/null || true
-  # Job steps that outlived slurmd (proctrack/linuxproc) are named by their environment.
-  for pid in $(grep -lsa "SLURM_CONF=$dir/slurm.conf" /proc/[0-9]*/environ | cut -d/ -f3); do
-    [ "$pid" != $$ ] && kill -9 "$pid" 2>/dev/null || true
-  done
 }
 
 case $action in
 up)
   trap 'down' ERR
-  up
+  up "${@:3}"
+  ;;
+run)
+  shift 2
+  on node1 "$@"
   ;;
 down) down ;;
 *)
-  echo "usage: $0 up|down DIR" >&2
+  echo "usage: $0 up DIR [N] | run DIR COMMAND.. | down DIR" >&2
   exit 2
   ;;
 esac

@@ -14,12 +14,13 @@ import mlflow
 import psutil
 import pytest
 from conftest import REPO
+from omegaconf import OmegaConf
 from test_setup import stand_in
 from test_training import PYTHON, launch_args
 
-from distrepro import hosts
+from distrepro import hosts, slurm
 from distrepro.config import compose_config
-from distrepro.launch import ConfigError, validate_values
+from distrepro.launch import ConfigError, validate_nodes, validate_values
 
 HOSTS_SH = str(REPO / "scripts" / "hosts.sh")
 TASK = [PYTHON, "-m", "distrepro.strategies.parameter_server", "task"]
@@ -212,14 +213,77 @@ def test_a_launcher_under_another_tasks_tf_config_is_refused(monkeypatch, strate
         validate_values(compose_config([f"strategy={strategy}"]))
 
 
-def test_a_slurm_job_of_several_nodes_gives_the_hosts(tmp_path, monkeypatch):
-    stand_in(tmp_path / "scontrol", "gpu-a\ngpu-b\ngpu-c")  # `scontrol show hostnames gpu-[a-c]`
+@pytest.fixture
+def slurm_job(tmp_path, monkeypatch) -> dict[str, str]:
+    """The environment of a step in SLURM job 7 of the nodes gpu-a, gpu-b and
+    gpu-c, as squeue and scontrol (stand-ins) give them."""
+    stand_in(tmp_path / "squeue", "gpu-[a-c]")  # `squeue --jobs 7 --format=%N`
+    stand_in(tmp_path / "scontrol", "gpu-a\ngpu-b\ngpu-c")  # `scontrol show hostnames ..`
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    job = {"SLURM_JOB_NODELIST": "gpu-[a-c]"}
-    assert hosts.slurm(8, job) == "gpu-a:3,gpu-b:3,gpu-c:2"
-    assert hosts.slurm(2, job) == "gpu-a:1,gpu-b:1"
-    assert hosts.slurm(8, {}) is None  # not in a SLURM job
-    assert hosts.slurm(8, {"SLURM_JOB_NODELIST": "gpu-a"}) is None  # one node: this machine
+    slurm.nodes_of_job.cache_clear()
+    yield {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu-a", "SLURM_NTASKS": "1"}
+    slurm.nodes_of_job.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "workers, per_node, listed",
+    [
+        (8, None, "gpu-a:3,gpu-b:3,gpu-c:2"),  # spread evenly
+        (2, None, "gpu-a:1,gpu-b:1"),
+        (5, 2, "gpu-a:2,gpu-b:2,gpu-c:1"),
+        (4, 4, "gpu-a:4"),
+    ],
+)
+def test_a_slurm_job_of_several_nodes_gives_the_hosts(slurm_job, workers, per_node, listed):
+    strategy = OmegaConf.create({"num_workers": workers, "workers_per_node": per_node})
+    assert hosts.from_slurm(strategy, slurm_job) == listed
+    assert hosts.from_slurm(strategy, {}) is None  # not in a SLURM job
+
+
+def test_a_slurm_job_too_small_for_workers_per_node_is_refused(slurm_job, monkeypatch):
+    for name, value in slurm_job.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_config(["strategy=horovod", "strategy.num_workers=4"])
+    cfg.strategy.workers_per_node = 1
+    with pytest.raises(ConfigError, match="on 4 nodes; this SLURM job has 3: gpu-a,gpu-b,gpu-c"):
+        validate_nodes(cfg.strategy)
+    cfg.strategy.workers_per_node = 2
+    validate_nodes(cfg.strategy)
+
+
+def test_a_job_step_leaves_the_launchers_step_settings_behind(slurm_job, monkeypatch):
+    for name, value in slurm_job.items():
+        monkeypatch.setenv(name, value)
+    command = slurm.step([("gpu-a", 2), ("gpu-b", 1)], ["python", "rank.py"], "horovod", "pmix")
+    assert command[command.index("srun") :] == [
+        "srun",
+        "--overlap",
+        "--job-name=horovod",
+        "--nodelist=gpu-a,gpu-b",
+        "--nodes=2",
+        "--ntasks=3",
+        "--ntasks-per-node=2",
+        "--kill-on-bad-exit=1",
+        "--mpi=pmix",
+        "python",
+        "rank.py",
+    ]
+    unset = command[1 : command.index("srun")]
+    assert unset == ["--unset=SLURM_JOB_NODELIST", "--unset=SLURM_NTASKS"]  # the job id stays
+    assert hosts.command_on("gpu-b", ["python", "task.py"], {}, "worker:1")[-5:] == [
+        "--ntasks=1",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "python",
+        "task.py",
+    ]
+
+
+def test_workers_per_node_beside_named_hosts_is_refused():
+    cfg = compose_config(["strategy=horovod", "strategy.hosts='a:1,b:1'"])
+    cfg.strategy.workers_per_node = 1
+    with pytest.raises(ConfigError, match="give one of them"):
+        validate_values(cfg)
 
 
 def test_a_host_of_no_slots_carries_the_ps_tasks_and_no_worker(tmp_path):

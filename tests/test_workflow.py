@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from conftest import (
     wait_for_http,
 )
 from PIL import Image
+from test_training import launch_args
 
 from distrepro.config import compose_config, memory_mb
 from distrepro.strategies import COMPARED, REGISTRY
@@ -355,45 +357,81 @@ def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_pa
         ui.wait(30)
 
 
+SLURM_SH = str(REPO / "tests" / "slurm.sh")
 SLURM_DAEMONS = ("munged", "slurmctld", "slurmd")
+RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")  # a job's states before its end
 
 
-@pytest.fixture
-def slurm_cluster(tmp_path):
-    """A one-node SLURM cluster (tests/slurm.sh); its SLURM_CONF."""
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A SLURM cluster of two namespace hosts, node1 and node2, with no sshd
+    (tests/slurm.sh); its folder."""
     if os.geteuid() != 0:
-        pytest.skip("a SLURM cluster needs root: slurmd, slurmctld and munged run as root here")
-    missing = [tool for tool in (*SLURM_DAEMONS, "sbatch") if not shutil.which(tool)]
+        pytest.skip("a SLURM cluster needs root: namespaces, slurmd, slurmctld and munged")
+    tools = (*SLURM_DAEMONS, "sbatch", "ip", "unshare", "findmnt")
+    missing = [tool for tool in tools if not shutil.which(tool)]
     if missing:
         pytest.skip(f"a SLURM cluster needs {', '.join(missing)}: `make test` installs them")
-    folder = tmp_path / "slurm"
-    script = str(REPO / "tests" / "slurm.sh")
-    up = subprocess.run([script, "up", folder], capture_output=True, text=True)
+    folder = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run([SLURM_SH, "up", folder], capture_output=True, text=True)
     daemons = []
     try:
         assert up.returncode == 0, up.stderr
-        daemons = [int((folder / f"{name}.pid").read_text()) for name in SLURM_DAEMONS]
-        yield up.stdout.strip()
+        daemons = [int(p.read_text()) for p in folder.glob("*.pid")]
+        yield folder
     finally:
-        subprocess.run([script, "down", folder], check=True)
-    assert not [pid for pid in daemons if psutil.pid_exists(pid)], "a daemon outlived the test"
+        subprocess.run([SLURM_SH, "down", folder], check=True)
+    assert not [pid for pid in daemons if psutil.pid_exists(pid)], "a daemon outlived the tests"
+    assert not [ns for ns in netns_names() if ns.startswith("drp")], "a host outlived the tests"
 
 
-def test_the_workflow_runs_through_the_slurm_profile(
-    slurm_cluster, reproduced, tmp_path, monkeypatch
+def netns_names() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return [line.split()[0] for line in listed.stdout.splitlines()]
+
+
+def on_login_node(cluster: Path, command: list[str], cwd: Path, timeout: float = 60):
+    """command on node1, where the cluster's clients reach slurmctld."""
+    return run([SLURM_SH, "run", str(cluster), *command], cwd, timeout=timeout)
+
+
+def processes_on_nodes(cluster: Path) -> list[str]:
+    """The names of the processes running on the cluster's hosts."""
+    names = []
+    for namespace in (cluster / "hosts" / "namespaces").read_text().split():
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        names += [psutil.Process(int(pid)).name() for pid in pids.stdout.split()]
+    return names
+
+
+def assert_only_daemons_left(cluster: Path) -> None:
+    """Within a minute of its jobs' end, a node runs no job process (slurmstepd
+    ends with its step's last)."""
+    deadline = time.monotonic() + 60
+    while (left := set(processes_on_nodes(cluster))) != {"slurmctld", "slurmscriptd", "slurmd"}:
+        assert time.monotonic() < deadline, f"left on the nodes: {left}"
+        time.sleep(1)
+
+
+def test_the_workflow_runs_through_the_slurm_profile_on_two_nodes(
+    slurm_cluster, reproduced, tmp_path
 ):
+    assert "sshd" not in processes_on_nodes(slurm_cluster)  # SLURM starts every process
     repo = copy_repo(tmp_path / "repo")
-    monkeypatch.setenv("SLURM_CONF", slurm_cluster)  # for snakemake and the SLURM commands
-    run(
+    on_login_node(
+        slurm_cluster,
         # the test cluster keeps no accounting (sacct): jobs are followed with squeue
         ["snakemake", "--workflow-profile", "workflow/profiles/slurm"]
         + ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1"]
-        + ["--config", "seeds=1", "overrides=train.epochs=5", "--", "reproduce"],
+        + ["--config", "seeds=1", "overrides=train.epochs=5 strategy.workers_per_node=1"]
+        + ["--", "reproduce"],
         repo,
-        timeout=1200,
+        timeout=1800,
     )
     jobs = {}  # rule -> SLURM job ids; the executor comments each job "rule_R_wildcards_.."
-    listed = run(["squeue", "--noheader", "--states=all", "--format=%i %k"], repo).stdout
+    listed = on_login_node(
+        slurm_cluster, ["squeue", "--noheader", "--states=all", "--format=%i %k"], repo
+    ).stdout
     for job, comment in (line.split() for line in listed.splitlines()):
         jobs.setdefault(re.match(r"rule_(\w+?)(_wildcards|$)", comment)[1], []).append(job)
     assert {rule: len(ids) for rule, ids in jobs.items()} == {
@@ -403,12 +441,18 @@ def test_the_workflow_runs_through_the_slurm_profile(
         "report": 1,
     }
     memory = set()
-    for job in jobs["train"]:  # a task per worker, the memory config.memory_mb estimates
-        shown = run(["scontrol", "show", "job", job], repo).stdout
-        assert "JobState=COMPLETED" in shown and "NumTasks=2 " in shown, shown
+    for job in jobs["train"]:  # a worker on each node, the memory config.memory_mb estimates
+        shown = on_login_node(slurm_cluster, ["scontrol", "show", "job", job], repo).stdout
+        assert "JobState=COMPLETED" in shown and " NodeList=node[1-2]" in shown, shown
+        assert "NumNodes=2 " in shown and "NumTasks=2 " in shown, shown
         memory |= {int(m) for m in re.findall(r"MinMemoryNode=(\d+)M", shown)}
-    configs = [compose_config([f"strategy={s}", "train.epochs=5"]) for s in REGISTRY]
+    overrides = ["train.epochs=5", "strategy.workers_per_node=1"]
+    configs = [compose_config([f"strategy={s}", *overrides]) for s in REGISTRY]
     assert memory == {memory_mb(cfg) for cfg in configs}
+    for strategy in REGISTRY:  # each strategy's processes ran on both nodes
+        (trained,) = [r for r in runs_of(repo, strategy=strategy) if "devices" in r.data.params]
+        where = " ".join(trained.data.params.get(key, "") for key in ("devices", "hosts"))
+        assert "on node1" in where and "on node2" in where, (strategy, where)
     headings = [
         re.findall(r"^## .*", (r / "results/report/report.md").read_text(), re.M)
         for r in (repo, reproduced)
@@ -416,3 +460,42 @@ def test_the_workflow_runs_through_the_slurm_profile(
     assert headings[0] == headings[1]
     for metrics in repo.glob("results/runs/*/metrics.json"):
         assert json.loads(metrics.read_text())["top1"] >= 0.85, metrics  # chance is 0.1
+    assert_only_daemons_left(slurm_cluster)
+
+
+def test_a_parameter_server_worker_step_cancelled_on_the_second_node_is_started_again(
+    slurm_cluster, digits_tfrecords, mlflow_uri, tmp_path
+):
+    results, log = tmp_path / "runs", tmp_path / "job.log"
+    launcher = launch_args(
+        digits_tfrecords,
+        results,
+        "strategy=parameter_server",
+        "strategy.workers_per_node=1",
+        "train.epochs=4",
+    )
+    sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={log}"]
+    sbatch += [f"--export=ALL,MLFLOW_TRACKING_URI={mlflow_uri}", f"--wrap={shlex.join(launcher)}"]
+    job = on_login_node(slurm_cluster, sbatch, REPO).stdout.strip()
+    deadline = time.monotonic() + 300
+    while not list(results.glob("*/checkpoints/ckpt-1.index")):
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    steps = ["squeue", "--steps", "--noheader", f"--jobs={job}", "--format=%i %j %N"]
+    listed = on_login_node(slurm_cluster, steps, REPO).stdout
+    (step,) = [line.split()[0] for line in listed.splitlines() if "worker:1 node2" in line]
+    on_login_node(slurm_cluster, ["scancel", step], REPO)
+    state = ["squeue", "--noheader", "--states=all", f"--jobs={job}", "--format=%T"]
+    while (shown := on_login_node(slurm_cluster, state, REPO).stdout.strip()) in RUNNING:
+        assert time.monotonic() < deadline + 600, log.read_text()[-3000:]
+        time.sleep(1)
+    assert shown == "COMPLETED", log.read_text()[-3000:]
+    (run_dir,) = results.iterdir()
+    assert json.loads((run_dir / "restarts.json").read_text())[0].startswith("task worker:1 ")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
+    client = mlflow.MlflowClient(mlflow_uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
+    (trained,) = client.search_runs([experiment.experiment_id])
+    assert trained.data.metrics["restarts"] == 1
+    assert_only_daemons_left(slurm_cluster)

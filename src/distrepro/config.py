@@ -82,6 +82,7 @@ class StrategyConfig:
     steps_per_call: int = 10
     gpus_per_worker: int = 0
     cores_per_worker: int = 1  # what a scheduler gives each worker (SLURM's cpus-per-task)
+    workers_per_node: Optional[int] = None  # SLURM: the workers on each node; None: one node
     elastic: bool = False  # Horovod: go on with the ranks left when one fails
     min_workers: int = 1  # elastic: fewer ranks than this end the run
     commit_every: int = 10  # elastic: updates between commits of the state

@@ -2,14 +2,16 @@
 with its worker slots; a host of 0 slots carries no worker, but the
 parameter server's ps tasks when it comes first), or, in a SLURM job of
 several nodes, the job's nodes.
-Remote processes start over ssh, as horovodrun starts its ranks."""
+Remote processes start over ssh, as horovodrun starts its ranks; in a SLURM
+job, every process is a job step (distrepro.slurm)."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import socket
-import subprocess
+
+from distrepro import slurm
 
 
 class HostsError(ValueError):
@@ -27,30 +29,24 @@ def parse(text: str) -> list[tuple[str, int]]:
     return hosts
 
 
-def slurm(num_workers: int, environ=os.environ) -> str | None:
-    """strategy.hosts inside a SLURM job of several nodes: the job's nodes
-    (SLURM_JOB_NODELIST, expanded by `scontrol`; a job step that Snakemake's
-    jobstep executor starts with `srun -n1` keeps it), the workers spread
-    over them evenly, as the job's tasks are."""
-    listed = environ.get("SLURM_JOB_NODELIST", "")
-    if not any(sign in listed for sign in ",["):  # not in a job, or on one node
-        return None
-    nodes = subprocess.run(
-        ["scontrol", "show", "hostnames", listed],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+def from_slurm(strategy, environ=os.environ) -> str | None:
+    """strategy.hosts inside a SLURM job of several nodes: the job's nodes in
+    its order, strategy.workers_per_node on each (unset: the workers spread
+    evenly, as the job's tasks are), the last node taking what is left.
+    None outside a SLURM job, or in one of a single node. Too few nodes for
+    the workers are the launcher's to refuse (launch.validate_nodes)."""
+    nodes = slurm.job_nodes(environ)
     if len(nodes) < 2:
         return None
-    share, extra = divmod(num_workers, len(nodes))
-    slots = [share + (i < extra) for i in range(len(nodes))]
-    return ",".join(f"{node}:{n}" for node, n in zip(nodes, slots, strict=True) if n)
+    n = strategy.num_workers
+    per_node = strategy.workers_per_node or -(-n // len(nodes))
+    slots = [min(per_node, n - first) for first in range(0, n, per_node)]
+    return ",".join(f"{node}:{k}" for node, k in zip(nodes, slots, strict=False))
 
 
 def of_run(cfg) -> list[tuple[str, int]] | None:
     """The run's hosts and slots; None when every process runs on this machine."""
-    text = cfg.strategy.hosts or slurm(cfg.strategy.num_workers)
+    text = cfg.strategy.hosts or from_slurm(cfg.strategy)
     return parse(text) if text else None
 
 
@@ -65,10 +61,13 @@ def is_local(host: str) -> bool:
     return True
 
 
-def command_on(host: str, command: list[str], env: dict[str, str]) -> list[str]:
-    """command, with env, on host: directly when local, else over ssh in this
-    directory. A pseudo-terminal (-tt) makes the remote process end with the
-    connection, when the launcher stops the ssh client."""
+def command_on(host: str, command: list[str], env: dict[str, str], name: str) -> list[str]:
+    """command, with env, on host: in a SLURM job of several nodes a job step
+    named name; else directly when local, or over ssh in this directory. A
+    pseudo-terminal (-tt) makes the remote process end with the connection,
+    when the launcher stops the ssh client."""
+    if slurm.in_job_of_several_nodes():
+        return slurm.step([(host, 1)], command, name)  # srun passes on the environment
     if is_local(host):
         return command
     exports = [f"{key}={value}" for key, value in env.items()]

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from distrepro import hosts, strategies
+from distrepro import hosts, slurm, strategies
 from distrepro.config import ConfigError, run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus
 from distrepro.handoff import DAMAGED_DATA, ON_SHAPED_HOSTS, TRACKING_BEHIND
@@ -31,6 +31,7 @@ def validate(cfg: DictConfig) -> None:
         )
     validate_values(cfg)
     validate_devices(cfg.strategy)
+    validate_nodes(cfg.strategy)
     validate_data(cfg)
 
 
@@ -59,6 +60,10 @@ def validate_values(cfg: DictConfig) -> None:
         )
     if strategy.hosts:
         validate_hosts(strategy)
+    if strategy.workers_per_node is not None and strategy.workers_per_node < 1:
+        raise ConfigError(
+            f"strategy.workers_per_node={strategy.workers_per_node} must be at least 1"
+        )
     scale = cfg.precision.loss_scale
     if scale != "dynamic" and not (is_number(scale) and float(scale) > 0):
         raise ConfigError(f"precision.loss_scale={scale!r} must be 'dynamic' or a positive number")
@@ -104,10 +109,29 @@ def validate_hosts(strategy: DictConfig) -> None:
         slots = sum(n for _, n in hosts.parse(strategy.hosts))
     except hosts.HostsError as error:
         raise ConfigError(str(error)) from None
+    if strategy.workers_per_node:
+        raise ConfigError(
+            f"strategy.hosts={strategy.hosts!r} names the machines; strategy.workers_per_node "
+            "is for a SLURM job's nodes: give one of them"
+        )
     if slots != strategy.num_workers:
         raise ConfigError(
             f"strategy.hosts={strategy.hosts!r} has {slots} slots for "
             f"strategy.num_workers={strategy.num_workers}: give each worker one"
+        )
+
+
+def validate_nodes(strategy: DictConfig) -> None:
+    """Refuse, in a SLURM job, fewer nodes than strategy.workers_per_node needs."""
+    nodes, per_node = slurm.job_nodes(), strategy.workers_per_node
+    if not (nodes and per_node):
+        return
+    needed = -(-strategy.num_workers // per_node)
+    if needed > len(nodes):
+        raise ConfigError(
+            f"strategy.workers_per_node={per_node} puts strategy.num_workers="
+            f"{strategy.num_workers} on {needed} nodes; this SLURM job has {len(nodes)}: "
+            f"{','.join(nodes)}"
         )
 
 

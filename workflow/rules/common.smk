@@ -241,6 +241,21 @@ def workers_of(wildcards):
     return run_config(wildcards).strategy.num_workers
 
 
+def workers_per_node_of(wildcards):
+    """strategy.workers_per_node, at most every worker (unset: all on one node)."""
+    strategy = run_config(wildcards).strategy
+    return min(strategy.workers_per_node or strategy.num_workers, strategy.num_workers)
+
+
+def nodes_of(wildcards):
+    return -(-workers_of(wildcards) // workers_per_node_of(wildcards))
+
+
+def tasks_per_node_of(wildcards):
+    """sbatch's options beyond Snakemake's own: the workers on each node."""
+    return f"--ntasks-per-node={workers_per_node_of(wildcards)}"
+
+
 def cores_of(wildcards):
     return run_config(wildcards).strategy.cores_per_worker
 

@@ -1,7 +1,8 @@
 # A training job counts strategy.cores_per_worker (1) per worker, so that the two
 # strategies of `reproduce` are timed alone on a 2-core machine; 1-worker sweep
 # points run side by side. Under SLURM it asks for a task per worker, their
-# cores and GPUs, and the memory its data and model need (config.memory_mb).
+# cores and GPUs, the nodes strategy.workers_per_node spreads them over, and
+# the memory its data and model need (config.memory_mb), on each node.
 # A failed or killed job is retried and resumes from its checkpoint. `exec`
 # makes the launcher Snakemake's own child: it stops its run when Snakemake ends.
 rule train:
@@ -20,6 +21,8 @@ rule train:
     resources:
         **CLUSTER,
         tasks=workers_of,
+        nodes=nodes_of,
+        slurm_extra=tasks_per_node_of,
         cpus_per_task=cores_of,
         gpu=gpus_of,
         tasks_per_gpu=tasks_per_gpu_of,

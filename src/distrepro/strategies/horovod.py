@@ -6,11 +6,17 @@ script lists (at least strategy.min_workers): when a rank fails, its host is
 left out for a cool-down, the others restore their last commit and go on,
 and the host's ranks rejoin after it.
 
+In a SLURM job of several nodes the ranks are one job step instead (srun,
+no ssh): over MPI through PMIx (`srun --mpi=pmix`), over Gloo with the
+launcher holding the rendezvous that horovodrun would.
+
 The launcher side (`run`) imports no TensorFlow; the ranks run
 `python -m distrepro.strategies.horovod CONFIG`."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import shlex
@@ -21,7 +27,7 @@ from pathlib import Path
 from horovod.common.elastic import ObjectState
 from omegaconf import DictConfig
 
-from distrepro import hosts
+from distrepro import hosts, slurm
 from distrepro.config import ConfigError
 from distrepro.processes import Restarts, process_env, start, stop
 from distrepro.strategies.synchronous import (  # noqa: F401  (the interface)
@@ -41,6 +47,7 @@ COOLDOWN_S = (5, 60)  # a failed host is left out this long, doubling with each 
 # machine two names for it (each local) make two "hosts", so that one failed
 # rank does not take every rank with it.
 LOCAL_NAMES = ("localhost", "127.0.0.1")
+GLOO_SLOTS = "DISTREPRO_HOROVOD_SLOTS"  # under SLURM: each Gloo rank's HOROVOD_* variables
 
 
 def local_hosts(num_workers: int) -> list[tuple[str, int]]:
@@ -102,6 +109,11 @@ def validate(cfg: DictConfig) -> None:
         )
     if not strategy.elastic:
         return
+    if slurm.in_job_of_several_nodes():
+        raise ConfigError(
+            "strategy.elastic=true: horovodrun starts elastic ranks over ssh, and a SLURM job "
+            "starts its processes by srun; run it without strategy.elastic"
+        )
     if strategy.controller != "gloo":
         raise ConfigError(
             f"strategy.elastic=true runs over Gloo, not strategy.controller={strategy.controller}"
@@ -125,17 +137,81 @@ def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
     """Run the job once; return why it failed, or None."""
     if cfg.strategy.elastic:
         write_discovery_script(cfg, config_path.parent)
-    env = process_env(cfg)
-    if cfg.train.profile:
-        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # hvd.start_timeline() records the window
-    if cfg.strategy.controller == "mpi" and os.geteuid() == 0:
-        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    proc = start(command(cfg, config_path), env)
+    if slurm.in_job_of_several_nodes():
+        return run_step(cfg, config_path)
+    proc = start(command(cfg, config_path), process_env(cfg))
     try:
         code = proc.wait()
     finally:
         stop([proc])
     return f"horovodrun exited with {code}" if code else None
+
+
+def run_step(cfg: DictConfig, config_path: Path) -> str | None:
+    """The ranks as one step of this SLURM job, on the nodes hosts.of_run gives."""
+    machines = [(host, slots) for host, slots in hosts.of_run(cfg) if slots]
+    program = [sys.executable, "-m", MODULE, str(config_path)]
+    mpi = cfg.strategy.controller == "mpi"
+    with contextlib.ExitStack() as stack:
+        env = process_env(cfg) | ({} if mpi else stack.enter_context(gloo_rendezvous(machines)))
+        proc = start(slurm.step(machines, program, "horovod", "pmix" if mpi else None), env)
+        try:
+            code = proc.wait()
+        finally:
+            stop([proc])
+    return f"the ranks' job step (srun) exited with {code}" if code else None
+
+
+@contextlib.contextmanager
+def gloo_rendezvous(machines: list[tuple[str, int]]):
+    """What `horovodrun --gloo` sets up before it starts the ranks over ssh: a
+    rendezvous server here, and the environment of the ranks, each rank's
+    place (its HOROVOD_* variables) among them, which a rank started by srun
+    takes by its SLURM_PROCID (take_gloo_slot)."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
+    from horovod.runner.http.http_server import RendezvousServer
+
+    listed = ",".join(f"{host}:{slots}" for host, slots in machines)
+    plan = get_host_assignments(parse_hosts(listed), sum(slots for _, slots in machines))
+    server = RendezvousServer()
+    port = server.start()
+    try:
+        server.init(plan)
+        address, interface = address_towards(machines[-1][0])
+        env = create_run_env_vars(address, [interface], port)
+        yield {k: str(v) for k, v in env.items()} | {
+            GLOO_SLOTS: json.dumps([create_slot_env_vars(slot) for slot in plan])
+        }
+    finally:
+        server.stop()
+
+
+def address_towards(host: str) -> tuple[str, str]:
+    """This machine's address on the route to host, and its interface."""
+    import psutil
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))  # sends nothing: only picks the route
+        address = probe.getsockname()[0]
+    interfaces = psutil.net_if_addrs().items()
+    return address, next(name for name, ips in interfaces if address in (a.address for a in ips))
+
+
+def take_gloo_slot(environ=os.environ) -> None:
+    """A Gloo rank started by srun: its HOROVOD_* variables, which horovodrun
+    would have set, from the launcher's plan by its SLURM_PROCID."""
+    slots = environ.pop(GLOO_SLOTS, None)
+    if slots is None:
+        return
+    rank, node = environ["SLURM_PROCID"], environ.get("SLURMD_NODENAME")
+    mine = json.loads(slots)[int(rank)]
+    if mine["HOROVOD_HOSTNAME"] != node:
+        raise SystemExit(
+            f"horovod: SLURM started rank {rank} on {node}; the rendezvous expects it "
+            f"on {mine['HOROVOD_HOSTNAME']}"
+        )
+    environ.update(mine)
 
 
 class ElasticState(ObjectState):
@@ -200,8 +276,10 @@ class HorovodDistribution(Distribution):
         self.shard = {}
 
     def processes_on_host(self) -> int:
-        # Without strategy.hosts every rank is on this machine (elastic: under two names).
-        return self.hvd.local_size() if self.cfg.strategy.hosts else self.cfg.strategy.num_workers
+        # A local elastic run's ranks are all on this machine, under two names.
+        if self.cfg.strategy.elastic and not self.cfg.strategy.hosts:
+            return self.cfg.strategy.num_workers
+        return self.hvd.local_size()
 
     def gpu(self) -> int | None:
         if not self.cfg.strategy.gpus_per_worker:
@@ -294,4 +372,5 @@ class HorovodDistribution(Distribution):
 
 
 if __name__ == "__main__":
+    take_gloo_slot()
     main(sys.argv[1], HorovodDistribution)

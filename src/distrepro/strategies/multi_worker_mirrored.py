@@ -5,11 +5,12 @@ on CPU, NCCL on GPUs, from TensorFlow's own wheels: no Horovod). Worker 0 is
 the chief; the others take part in each checkpoint save into a scratch
 folder that they remove, as TensorFlow's multi-worker tutorial does.
 
-The launcher starts the workers, on this machine or on `strategy.hosts` over
-ssh, writing each one's TF_CONFIG. Under a TF_CONFIG of the user's (a cluster
-whose hosts each start their own worker) the launcher starts its host's
-worker alone. A worker that dies stops the collective: the launcher stops
-the others and the run restarts from its last checkpoint.
+The launcher starts the workers, on this machine, on `strategy.hosts` over
+ssh, or as steps of a SLURM job on its nodes, writing each one's TF_CONFIG.
+Under a TF_CONFIG of the user's (a cluster whose hosts each start their own
+worker) the launcher starts its host's worker alone. A worker that dies
+stops the collective: the launcher stops the others and the run restarts
+from its last checkpoint.
 
     python -m distrepro.strategies.multi_worker_mirrored CONFIG   (under TF_CONFIG)
 """
@@ -108,7 +109,7 @@ def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
         for index, (name, host) in enumerate(placed.items()):
             tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
             env = {**process_env(cfg), "TF_CONFIG": json.dumps(tf_config), **devices.get(name, {})}
-            workers.append(start(hosts.command_on(host, worker, env), env))
+            workers.append(start(hosts.command_on(host, worker, env, name), env))
     try:
         return supervise(workers)
     finally:

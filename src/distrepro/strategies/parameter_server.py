@@ -4,8 +4,9 @@
 on the workers. A dead worker task is started again on its address and the
 coordinator reruns its lost steps; a dead ps task ends the attempt.
 
-The launcher starts the tasks, on this machine or on `strategy.hosts` over
-ssh, and gives them the cluster in DISTREPRO_CLUSTER. Under TF_CONFIG (a
+The launcher starts the tasks, on this machine, on `strategy.hosts` over
+ssh, or as steps of a SLURM job on its nodes (each task a step named after
+it: "worker:1"), and gives them the cluster in DISTREPRO_CLUSTER. Under TF_CONFIG (a
 cluster whose hosts each start their own task) the launcher is the chief and
 starts only the coordinator.
 
@@ -133,7 +134,7 @@ def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
         job, index = name.split(":")
         server = [sys.executable, "-m", MODULE, "task", job, index, threads]
         task_env = {**env, **devices.get(name, {})}
-        return start(hosts.command_on(placed[name], server, task_env), task_env)
+        return start(hosts.command_on(placed[name], server, task_env, name), task_env)
 
     tasks: dict[str, subprocess.Popen] = {}
     coordinator = None
