@@ -229,6 +229,7 @@ def slurm_job(tmp_path, monkeypatch) -> dict[str, str]:
     "workers, per_node, listed",
     [
         (8, None, "gpu-a:3,gpu-b:3,gpu-c:2"),  # spread evenly
+        (7, None, "gpu-a:3,gpu-b:2,gpu-c:2"),
         (2, None, "gpu-a:1,gpu-b:1"),
         (5, 2, "gpu-a:2,gpu-b:2,gpu-c:1"),
         (4, 4, "gpu-a:4"),

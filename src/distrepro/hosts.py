@@ -38,10 +38,13 @@ def from_slurm(strategy, environ=os.environ) -> str | None:
     nodes = slurm.job_nodes(environ)
     if len(nodes) < 2:
         return None
-    n = strategy.num_workers
-    per_node = strategy.workers_per_node or -(-n // len(nodes))
-    slots = [min(per_node, n - first) for first in range(0, n, per_node)]
-    return ",".join(f"{node}:{k}" for node, k in zip(nodes, slots, strict=False))
+    n, per_node = strategy.num_workers, strategy.workers_per_node
+    if per_node:
+        slots = [min(per_node, n - first) for first in range(0, n, per_node)]
+    else:
+        share, extra = divmod(n, len(nodes))
+        slots = [share + (i < extra) for i in range(len(nodes))]
+    return ",".join(f"{node}:{k}" for node, k in zip(nodes, slots, strict=False) if k)
 
 
 def of_run(cfg) -> list[tuple[str, int]] | None:
