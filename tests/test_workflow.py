@@ -463,6 +463,47 @@ def test_the_workflow_runs_through_the_slurm_profile_on_two_nodes(
     assert_only_daemons_left(slurm_cluster)
 
 
+def submit_training(cluster: Path, launcher: list[str], log: Path, mlflow_uri: str) -> str:
+    """sbatch a launcher as a job of a worker on each node; its job id."""
+    sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={log}"]
+    sbatch += [f"--export=ALL,MLFLOW_TRACKING_URI={mlflow_uri}", f"--wrap={shlex.join(launcher)}"]
+    return on_login_node(cluster, sbatch, REPO).stdout.strip()
+
+
+def state_at_end(cluster: Path, job: str, log: Path, seconds: float = 900) -> str:
+    """The job's state once it has ended."""
+    deadline = time.monotonic() + seconds
+    state = ["squeue", "--noheader", "--states=all", f"--jobs={job}", "--format=%T"]
+    while (shown := on_login_node(cluster, state, REPO).stdout.strip()) in RUNNING:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(1)
+    return shown
+
+
+def only_run(mlflow_uri: str):
+    client = mlflow.MlflowClient(mlflow_uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
+    (trained,) = client.search_runs([experiment.experiment_id])
+    return trained
+
+
+def test_horovod_over_mpi_is_one_pmix_step_on_both_nodes(
+    slurm_cluster, digits_tfrecords, mlflow_uri, tmp_path
+):
+    results, log = tmp_path / "runs", tmp_path / "job.log"
+    overrides = ("strategy=horovod", "strategy.controller=mpi", "strategy.workers_per_node=1")
+    launcher = launch_args(digits_tfrecords, results, *overrides, "train.epochs=2")
+    job = submit_training(slurm_cluster, launcher, log, mlflow_uri)
+    assert state_at_end(slurm_cluster, job, log) == "COMPLETED", log.read_text()[-3000:]
+    (metrics,) = [json.loads(p.read_text()) for p in results.glob("*/metrics.json")]
+    assert metrics["top1"] > 0.2, metrics["history"]  # chance is 0.1
+    params = only_run(mlflow_uri).data.params
+    # one world of two ranks, not two of one: MPI met its peers through PMIx
+    assert params["devices"] == "rank 0 on node1: cpu; rank 1 on node2: cpu", params
+    assert params["strategy.controller"] == "mpi"
+    assert_only_daemons_left(slurm_cluster)
+
+
 def test_a_parameter_server_worker_step_cancelled_on_the_second_node_is_started_again(
     slurm_cluster, digits_tfrecords, mlflow_uri, tmp_path
 ):
@@ -474,9 +515,7 @@ def test_a_parameter_server_worker_step_cancelled_on_the_second_node_is_started_
         "strategy.workers_per_node=1",
         "train.epochs=4",
     )
-    sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={log}"]
-    sbatch += [f"--export=ALL,MLFLOW_TRACKING_URI={mlflow_uri}", f"--wrap={shlex.join(launcher)}"]
-    job = on_login_node(slurm_cluster, sbatch, REPO).stdout.strip()
+    job = submit_training(slurm_cluster, launcher, log, mlflow_uri)
     deadline = time.monotonic() + 300
     while not list(results.glob("*/checkpoints/ckpt-1.index")):
         assert time.monotonic() < deadline, log.read_text()[-3000:]
@@ -485,17 +524,10 @@ def test_a_parameter_server_worker_step_cancelled_on_the_second_node_is_started_
     listed = on_login_node(slurm_cluster, steps, REPO).stdout
     (step,) = [line.split()[0] for line in listed.splitlines() if "worker:1 node2" in line]
     on_login_node(slurm_cluster, ["scancel", step], REPO)
-    state = ["squeue", "--noheader", "--states=all", f"--jobs={job}", "--format=%T"]
-    while (shown := on_login_node(slurm_cluster, state, REPO).stdout.strip()) in RUNNING:
-        assert time.monotonic() < deadline + 600, log.read_text()[-3000:]
-        time.sleep(1)
-    assert shown == "COMPLETED", log.read_text()[-3000:]
+    assert state_at_end(slurm_cluster, job, log) == "COMPLETED", log.read_text()[-3000:]
     (run_dir,) = results.iterdir()
     assert json.loads((run_dir / "restarts.json").read_text())[0].startswith("task worker:1 ")
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
-    client = mlflow.MlflowClient(mlflow_uri)
-    (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
-    (trained,) = client.search_runs([experiment.experiment_id])
-    assert trained.data.metrics["restarts"] == 1
+    assert only_run(mlflow_uri).data.metrics["restarts"] == 1
     assert_only_daemons_left(slurm_cluster)
