@@ -11,7 +11,7 @@
 #   tests/slurm.sh up DIR [N]       start it, N nodes (default 2)
 #   tests/slurm.sh run DIR CMD..    run CMD on node1, the login node (sbatch, squeue..)
 #   tests/slurm.sh down DIR         stop its daemons (by pid), the jobs' processes, the hosts
-set -euo pipefail
+set -Eeuo pipefail # -E: the ERR trap of `up` also fires inside functions
 
 action=${1:-}
 dir=$(realpath -m "${2:-.}")
