@@ -585,8 +585,10 @@ def test_elastic_horovod_goes_on_without_its_killed_chief_and_takes_it_back(
     client = mlflow.MlflowClient(mlflow_uri)
     (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
     (run,) = client.search_runs([experiment.experiment_id])
-    history = client.get_metric_history(run.info.run_id, "val_top1")
-    assert sorted(m.step for m in history) == list(range(1, 15))
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_top1"))
+    # Every epoch; the one the chief logged as it was killed, before its commit,
+    # the survivors redo from that commit and log again.
+    assert sorted(set(steps)) == list(range(1, 15)) and len(steps) - 14 <= 1, steps
     assert "restarts" not in run.data.metrics  # the rank left went on; nothing restarted
     assert not training_processes()
 
