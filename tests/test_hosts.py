@@ -297,3 +297,15 @@ def test_a_host_of_no_slots_carries_the_ps_tasks_and_no_worker(tmp_path):
     assert parameter_server.placement(cfg) == {"worker:0": "a", "worker:1": "b", "ps:0": "head"}
     command = horovod.command(compose_config(["strategy=horovod", listed]), tmp_path / "c.yaml")
     assert command[command.index("-H") + 1] == "a:1,b:1"
+
+
+def test_horovod_in_a_slurm_job_of_several_nodes_describes_its_job_step(slurm_job, monkeypatch):
+    from distrepro.strategies import horovod
+
+    for name, value in slurm_job.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_config(["strategy=horovod", "strategy.num_workers=4"])
+    cfg.strategy.workers_per_node = 2
+    assert horovod.describe(cfg) == (
+        "Horovod ranks over gloo as one SLURM job step on gpu-a:2,gpu-b:2"
+    )

@@ -128,6 +128,9 @@ def validate(cfg: DictConfig) -> None:
 
 
 def describe(cfg: DictConfig) -> str:
+    if slurm.in_job_of_several_nodes():  # run_step
+        placed = ",".join(f"{host}:{n}" for host, n in hosts.of_run(cfg) if n)
+        return f"Horovod ranks over {cfg.strategy.controller} as one SLURM job step on {placed}"
     horovodrun = command(cfg, Path("config.yaml"))
     options = horovodrun[1 : horovodrun.index(sys.executable)]
     return shlex.join(["horovodrun", *options, "python", "-m", MODULE])
