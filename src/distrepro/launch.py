@@ -123,13 +123,10 @@ def validate_hosts(strategy: DictConfig) -> None:
 
 def validate_nodes(strategy: DictConfig) -> None:
     """Refuse, in a SLURM job, fewer nodes than strategy.workers_per_node needs."""
-    nodes, per_node = slurm.job_nodes(), strategy.workers_per_node
-    if not (nodes and per_node):
-        return
-    needed = -(-strategy.num_workers // per_node)
-    if needed > len(nodes):
+    nodes, needed = slurm.job_nodes(), slurm.nodes_for(strategy)
+    if nodes and needed > len(nodes):
         raise ConfigError(
-            f"strategy.workers_per_node={per_node} puts strategy.num_workers="
+            f"strategy.workers_per_node={strategy.workers_per_node} puts strategy.num_workers="
             f"{strategy.num_workers} on {needed} nodes; this SLURM job has {len(nodes)}: "
             f"{','.join(nodes)}"
         )

@@ -37,6 +37,11 @@ def ask(command: list[str]) -> str:
     return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def nodes_for(strategy) -> int:
+    """The nodes strategy.workers_per_node spreads the workers over (1 unset)."""
+    return -(-strategy.num_workers // (strategy.workers_per_node or strategy.num_workers))
+
+
 def in_job_of_several_nodes(environ=os.environ) -> bool:
     return len(job_nodes(environ)) > 1
 

@@ -16,6 +16,7 @@ from distrepro.config import (
 )
 from distrepro.launch import ConfigError, describe, validate_values
 from distrepro.network import UNSHAPED, layout, refusal
+from distrepro.slurm import nodes_for
 from distrepro.strategies import REGISTRY
 
 STRATEGIES = list(REGISTRY)
@@ -241,19 +242,14 @@ def workers_of(wildcards):
     return run_config(wildcards).strategy.num_workers
 
 
-def workers_per_node_of(wildcards):
-    """strategy.workers_per_node, at most every worker (unset: all on one node)."""
-    strategy = run_config(wildcards).strategy
-    return min(strategy.workers_per_node or strategy.num_workers, strategy.num_workers)
-
-
 def nodes_of(wildcards):
-    return -(-workers_of(wildcards) // workers_per_node_of(wildcards))
+    return nodes_for(run_config(wildcards).strategy)
 
 
 def tasks_per_node_of(wildcards):
     """sbatch's options beyond Snakemake's own: the workers on each node."""
-    return f"--ntasks-per-node={workers_per_node_of(wildcards)}"
+    strategy = run_config(wildcards).strategy
+    return f"--ntasks-per-node={strategy.workers_per_node or strategy.num_workers}"
 
 
 def cores_of(wildcards):
