@@ -1,7 +1,9 @@
-"""Hydra app: the final checkpoint of a run on the validation TFRecords.
+"""Hydra app: a run's final model on the validation TFRecords.
 
-Adds eval top-1/top-5/images-per-second to the run's metrics.json and logs
-them to the same MLflow run."""
+The model is the run's MLflow model, loaded back through MLflow, or, for a
+run that logged none (train.log_model=false), its final checkpoint. Adds
+eval top-1/top-5/images-per-second to the run's metrics.json and logs them
+to the same MLflow run."""
 
 from __future__ import annotations
 
@@ -10,18 +12,34 @@ import time
 from pathlib import Path
 
 import hydra
-import mlflow
+from mlflow.entities import Metric
 from omegaconf import DictConfig
 
 from distrepro import config, tracking
 from distrepro.atomic import write_json_atomically
 
 
-def evaluate(cfg: DictConfig) -> dict:
+def final_model(cfg: DictConfig, run_dir: Path, metrics: dict):
+    """(the model, where it came from): the MLflow model, else the checkpoint."""
+    import mlflow
     import tensorflow as tf
 
-    from distrepro.training.inputs import make_dataset, read_metadata
+    from distrepro.training.inputs import read_metadata
     from distrepro.training.models import build_model
+
+    model_id = run_dir / tracking.MODEL_ID_FILE
+    if model_id.exists():
+        uri = f"models:/{model_id.read_text().strip()}"
+        mlflow.set_tracking_uri(tracking.tracking_uri())
+        return mlflow.tensorflow.load_model(uri), uri
+    classes = read_metadata(cfg.data.tfrecord_dir)["num_classes"]
+    model = build_model(cfg.model, cfg.data.image_size, classes)
+    tf.train.Checkpoint(model=model).restore(metrics["final_checkpoint"]).expect_partial()
+    return model, metrics["final_checkpoint"]
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    from distrepro.training.inputs import make_dataset, read_metadata
     from distrepro.training.recipe import Trainer
     from distrepro.training.runtime import set_precision, use_gpu
 
@@ -29,10 +47,8 @@ def evaluate(cfg: DictConfig) -> dict:
     metrics = json.loads((run_dir / "metrics.json").read_text())
     use_gpu(0)  # one GPU, where there is one
     set_precision(cfg.precision.name.value)
-    metadata = read_metadata(cfg.data.tfrecord_dir)
-    model = build_model(cfg.model, cfg.data.image_size, metadata["num_classes"])
-    tf.train.Checkpoint(model=model).restore(metrics["final_checkpoint"]).expect_partial()
-    trainer = Trainer(cfg, model, None, metadata["num_classes"])
+    model, source = final_model(cfg, run_dir, metrics)
+    trainer = Trainer(cfg, model, None, read_metadata(cfg.data.tfrecord_dir)["num_classes"])
     batches = make_dataset(cfg.data, "validation", cfg.train.global_batch_size)
     trainer.count_correct(batches.take(1))  # trace before timing
     start = time.perf_counter()
@@ -42,11 +58,12 @@ def evaluate(cfg: DictConfig) -> dict:
         "eval_top5": float(top5 / images),
         "eval_images_per_sec": float(images / (time.perf_counter() - start)),
         "eval_images": int(images),
+        "eval_model": source,
     }
     write_json_atomically(run_dir / "metrics.json", {**metrics, **evaluation})
-    mlflow.set_tracking_uri(tracking.tracking_uri())
-    with mlflow.start_run(run_id=metrics["mlflow_run_id"]):
-        mlflow.log_metrics({k: v for k, v in evaluation.items() if k != "eval_images"})
+    at, figures = tracking.now_ms(), ("eval_top1", "eval_top5", "eval_images_per_sec")
+    logged = [Metric(k, evaluation[k], at, 0) for k in figures]
+    tracking.client().log_batch(metrics["mlflow_run_id"], metrics=logged)
     write_json_atomically(run_dir / "evaluation.json", evaluation)
     return evaluation
 

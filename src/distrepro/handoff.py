@@ -9,3 +9,5 @@ TRACKING_BEHIND = "mlflow_behind"
 TERMINAL = "DISTREPRO_TERMINAL"
 # Set by the network experiment for the launcher it starts on its hosts.
 ON_SHAPED_HOSTS = "DISTREPRO_ON_SHAPED_HOSTS"
+# Horovod's autotuning log (strategy.autotune), an artifact of the run.
+AUTOTUNE_LOG = "horovod_autotune.csv"

@@ -16,8 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from distrepro import hosts, slurm, strategies
-from distrepro.config import ConfigError, run_name, to_plain
+from distrepro import hosts, parents, slurm, strategies
+from distrepro.config import ConfigError, StrategyConfig, run_name, to_plain
 from distrepro.devices import assign_gpus, host_gpus
 from distrepro.handoff import DAMAGED_DATA, ON_SHAPED_HOSTS, TRACKING_BEHIND
 from distrepro.processes import Restarts, TrainingFailed, end_with_parent
@@ -64,10 +64,25 @@ def validate_values(cfg: DictConfig) -> None:
         raise ConfigError(
             f"strategy.workers_per_node={strategy.workers_per_node} must be at least 1"
         )
+    if strategy.steps_per_call < 1:
+        raise ConfigError(f"strategy.steps_per_call={strategy.steps_per_call} must be at least 1")
     scale = cfg.precision.loss_scale
     if scale != "dynamic" and not (is_number(scale) and float(scale) > 0):
         raise ConfigError(f"precision.loss_scale={scale!r} must be 'dynamic' or a positive number")
+    validate_keys(strategy)
     strategies.of(cfg).validate(cfg)
+
+
+def validate_keys(strategy: DictConfig) -> None:
+    """Refuse a key of another strategy, set: none is silently ignored."""
+    own = (*strategies.SHARED_KEYS, *strategies.module(strategy.name.value).KEYS)
+    default = StrategyConfig()
+    for key, value in strategy.items():
+        if key not in own and value != getattr(default, key):
+            raise ConfigError(
+                f"strategy.{key}={value} is not a key of strategy={strategy.name.value}, "
+                f"which takes {', '.join(k for k in own if k != 'name')}"
+            )
 
 
 def validate_profile_window(train: DictConfig, updates_per_epoch: int | None) -> None:
@@ -183,9 +198,6 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
         else:
             print(f"{run_dir} is complete; nothing to do")
         return run_dir
-    from distrepro.tracking import ensure_experiment  # mlflow: 2 s to import, not for -n
-
-    ensure_experiment(cfg.mlflow_experiment)
     config_path = run_dir / "config.yaml"
     run = strategies.of(cfg).run
     restarts = Restarts(cfg.train.max_restarts, run_dir)
@@ -201,18 +213,15 @@ def launch(cfg: DictConfig, overrides: list[str] = ()) -> Path:
 
 def multirun_parent(cfg: DictConfig) -> str | None:
     """Under `-m`, the jobs of one Hydra sweep are children of one MLflow run,
-    as a Snakemake sweep's are; its id is kept in the sweep directory, which
-    Hydra's launcher creates before the first job."""
+    as a Snakemake sweep's are: the sweep directory, which Hydra's launcher
+    creates before the first job, describes it (distrepro.parents)."""
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN or cfg.mlflow_parent_run_id:
-        return cfg.mlflow_parent_run_id
-    id_file = Path(hydra_cfg.sweep.dir) / "mlflow_parent_run_id"
-    if not id_file.exists():
-        from distrepro.tracking import start_parent
-
-        name = f"multirun-{Path(hydra_cfg.sweep.dir).name}"
-        id_file.write_text(start_parent(cfg.mlflow_experiment, "sweep", name))
-    return id_file.read_text().strip()
+    if hydra_cfg.mode != RunMode.MULTIRUN or cfg.mlflow_parent_run_id or cfg.mlflow_parent:
+        return cfg.mlflow_parent
+    folder = Path(hydra_cfg.sweep.dir)
+    if not (folder / parents.SPEC).exists():
+        parents.describe(folder, cfg.mlflow_experiment, "sweep", f"multirun-{folder.name}")
+    return str(folder)
 
 
 @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
@@ -224,7 +233,7 @@ def main(cfg: DictConfig) -> None:
     end_with_parent(signal.SIGTERM)
     try:
         validate(cfg)
-        cfg.mlflow_parent_run_id = multirun_parent(cfg)
+        cfg.mlflow_parent = multirun_parent(cfg)
         run_dir = launch(cfg, list(HydraConfig.get().overrides.task))
     except (ConfigError, TrainingFailed) as error:
         raise SystemExit(f"launch: {error}") from None

@@ -1,9 +1,11 @@
-"""MLflow: one run per training, resumed by id, with what reruns it.
+"""MLflow: one run per training, with its epochs, final figures, model,
+restarts and the chief's system metrics.
 
 A training never waits long for MLflow, nor dies of it: its figures are in
 the run's files first, each MLflow call gives up within seconds, and what a
-server that does not answer missed is logged by a later call, at the latest
-when the run finishes or when the same command runs again."""
+server that does not answer missed is logged by a later call: the run itself
+too, which is created when the server first answers (at an epoch's end, at
+the run's end, or when the same command runs again)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import math
 import os
 import platform
 import subprocess
+import threading
+import time
 import zlib
 from importlib import metadata
 from pathlib import Path
@@ -20,15 +24,16 @@ from pathlib import Path
 import mlflow
 import requests
 import yaml
-from mlflow.entities import Metric, RunTag
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
+from distrepro import config, parents
+from distrepro.atomic import write_json_atomically
 from distrepro.config import REPO, flatten, setting_name, to_plain
-from distrepro.handoff import TRACKING_BEHIND
+from distrepro.handoff import AUTOTUNE_LOG, TRACKING_BEHIND
 from distrepro.traces import PHASES
 
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
-PARENT_KINDS = ("sweep", "scaling", "network", "setting")
 # The MLflow UI's shared view of the runs table (?viewStateShareKey=runs): these columns.
 RUNS_VIEW_TAG = "mlflow.sharedViewState.runs"
 RUNS_VIEW_COLUMNS = [
@@ -44,11 +49,17 @@ RUNS_VIEW_COLUMNS = [
     "metrics.`eval_top1`",
 ]
 RUNS_VIEW_PATH = "#/experiments/{id}/runs?workflowType=machine_learning&viewStateShareKey=runs"
-SYSTEM_METRICS_INTERVAL_S = 5
-# What a training logs when it ends, from metrics.json.
+# What a training logs when it ends, from metrics.json: its own figures, which
+# the runs table shows. An epoch's figure of the same name is logged as
+# epoch_<name> (one point per epoch), so that it does not shadow the run's.
 FINAL_METRICS = ("images_per_sec", "total_time_s", "top1", "top5", "best_top1", "ps_wait_share")
 FINAL_METRICS += tuple(PHASES.values()) + ("epochs_to_target", "time_to_target_s")
+# The run's files that the MLflow record is kept by.
+RUN_ID_FILE = "mlflow_run_id"
+RUN_PARAMS = "mlflow_params.json"  # the training process's own params: the run may be created
 LOGGED_EPOCHS = "mlflow_logged_epochs"  # how many epochs of history.json MLflow has
+MODEL_ID_FILE = "mlflow_model_id"
+MODEL_FILE, INPUT_EXAMPLE = "model.keras", "input_example.npy"  # the final model (files.py)
 # MLflow's defaults retry a call for minutes; these give up within seconds.
 BOUNDED_REQUESTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
@@ -58,34 +69,48 @@ BOUNDED_REQUESTS = {
 for _key, _value in BOUNDED_REQUESTS.items():
     os.environ.setdefault(_key, _value)
 PACKAGES = ("tensorflow", "tf_keras", "horovod", "mlflow", "snakemake", "dvc", "hydra-core")
+UNANSWERED = (MlflowException, requests.RequestException, OSError)
 
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO / 'mlflow.db'}"
 
 
+def client() -> mlflow.MlflowClient:
+    return mlflow.MlflowClient(tracking_uri())
+
+
+def behind(what: str, error: Exception) -> None:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(
+        f"tracking is behind: {what} not logged yet ({tracking_uri()}: {first_line}); "
+        "in the run's files, logged once the server answers",
+        flush=True,
+    )
+
+
 def ensure_experiment(name: str) -> str:
     """Create the store and the experiment (one upstream step avoids SQLite
     races): a model-training one, with the shared view of its runs table that
     RUNS_VIEW_PATH opens."""
-    mlflow.set_tracking_uri(tracking_uri())
-    experiment = mlflow.get_experiment_by_name(name)
+    experiment = client().get_experiment_by_name(name)
     tags = {EXPERIMENT_KIND: MODEL_TRAINING, RUNS_VIEW_TAG: runs_view()}
     if experiment is None:
         try:
-            return mlflow.create_experiment(name, tags=tags)
+            return client().create_experiment(name, tags=tags)
         except MlflowException:  # created meanwhile, by another host's launcher
-            experiment = mlflow.get_experiment_by_name(name)
+            experiment = client().get_experiment_by_name(name)
     for key, value in tags.items():
         if experiment.tags.get(key) != value:
-            mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, key, value)
+            client().set_experiment_tag(experiment.experiment_id, key, value)
     return experiment.experiment_id
 
 
-def runs_view() -> str:
-    """The runs table's columns as the MLflow UI stores a shared view: JSON,
-    zlib-deflated, base64, prefixed "deflate;"."""
-    state = json.dumps({"selectedColumns": RUNS_VIEW_COLUMNS})
+def runs_view(**more) -> str:
+    """The runs table's columns (and `more` of the UI's view state, such as
+    runsExpanded) as the MLflow UI stores a shared view: JSON, zlib-deflated,
+    base64, prefixed "deflate;"."""
+    state = json.dumps({"selectedColumns": RUNS_VIEW_COLUMNS, **more})
     return "deflate;" + base64.b64encode(zlib.compress(state.encode())).decode()
 
 
@@ -120,44 +145,59 @@ def versions() -> dict[str, str]:
     return found
 
 
-def active() -> str | None:
-    """The id of this process's active MLflow run, if any."""
-    run = mlflow.active_run()
-    return run.info.run_id if run else None
+def start_run(run_dir: Path, params: dict) -> str | None:
+    """On the chief, once its params are known: describe the run (its
+    params, beside config.yaml), sample the system's figures into it, and
+    create or resume it; its id, or None while the server does not answer."""
+    write_json_atomically(run_dir / RUN_PARAMS, params)
+    SystemMetrics.start(run_dir)
+    return run_id(run_dir)
 
 
-def start_run(cfg, run_dir: Path, extra_params: dict) -> str:
-    """Start the run of a composed or loaded cfg, or resume it when run_dir
-    already names one."""
+def run_id(run_dir: Path) -> str | None:
+    """The run's MLflow id; the run is created on first need, once its
+    training process has described it and the server answers. None until then."""
+    id_file = run_dir / RUN_ID_FILE
+    if not id_file.exists() and (run_dir / RUN_PARAMS).exists():
+        with parents.locked(run_dir / ".mlflow.lock"):  # the launcher may ask at the same time
+            if not id_file.exists():
+                try:
+                    id_file.write_text(create_run(run_dir))
+                except UNANSWERED as error:
+                    behind("the run", error)
+    return id_file.read_text().strip() if id_file.exists() else None
+
+
+def create_run(run_dir: Path) -> str:
+    """The MLflow run of a described run_dir: tags, params, dataset, config,
+    the restarts so far; a child of its parent."""
+    cfg = config.load(run_dir / "config.yaml")
     plain = to_plain(cfg)
-    id_file = run_dir / "mlflow_run_id"
-    experiment_id = ensure_experiment(plain["mlflow_experiment"])
-    mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
-    if id_file.exists():
-        run_id = id_file.read_text().strip()
-        return mlflow.start_run(run_id=run_id, log_system_metrics=True).info.run_id
     tags = {
         "strategy": plain["strategy"]["name"],
         "git_commit": git_commit(),
         "dvc_tfrecords_md5": dvc_hash(plain["data"]["tfrecord_dir"]),
         "hardware": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or '?'}",
         "command": (run_dir / "command").read_text().strip(),
+        "seed": str(plain["seed"]),
+        "setting": setting_name(cfg),
         **versions(),
     }
-    tags |= {"seed": str(plain["seed"]), "setting": setting_name(cfg)}
-    parent = plain.get("mlflow_parent_run_id")
+    parent = plain["mlflow_parent_run_id"]
+    if plain["mlflow_parent"]:
+        parent = parents.run_id(Path(plain["mlflow_parent"]))
     if parent:
         tags["mlflow.parentRunId"] = parent
-    run = mlflow.start_run(
-        experiment_id=experiment_id, run_name=run_dir.name, tags=tags, log_system_metrics=True
-    )
-    mlflow.log_params({**flatten(plain), **extra_params})
+    experiment_id = ensure_experiment(plain["mlflow_experiment"])
+    run = client().create_run(experiment_id, run_name=run_dir.name, tags=tags)
+    own = json.loads((run_dir / RUN_PARAMS).read_text())
+    params = [Param(k, str(v)) for k, v in {**flatten(plain), **own}.items()]
+    client().log_batch(run.info.run_id, params=params)
     log_dataset(plain["data"], [run.info.run_id, parent])
-    mlflow.log_artifact(str(run_dir / "config.yaml"))
-    id_file.write_text(run.info.run_id)
+    client().log_artifact(run.info.run_id, str(run_dir / "config.yaml"))
     restarts = run_dir / "restarts.json"
     if restarts.exists():
-        log_restarts(run_dir, json.loads(restarts.read_text()))
+        log_restarts(run_dir, json.loads(restarts.read_text()), run.info.run_id)
     return run.info.run_id
 
 
@@ -177,30 +217,20 @@ def log_dataset(data_cfg: dict, run_ids: list[str | None]) -> None:
         digest=dvc_hash(data_cfg["tfrecord_dir"]),
     )
     used = DatasetInput(dataset._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, "training")])
-    client = mlflow.MlflowClient()
-    for run_id in filter(None, run_ids):
-        client.log_inputs(run_id, datasets=[used])
+    for run in filter(None, run_ids):
+        client().log_inputs(run, datasets=[used])
 
 
-UNANSWERED = (MlflowException, requests.RequestException, OSError)
-
-
-def behind(what: str, error: Exception) -> None:
-    print(f"tracking is behind: {what} not logged yet ({error}); in the run's files", flush=True)
-
-
-def log_restarts(run_dir: Path, causes: list[str]) -> None:
+def log_restarts(run_dir: Path, causes: list[str], run: str | None = None) -> None:
     """The run's restarts so far: metric `restarts`, one tag per cause. Before
-    the run exists they wait in restarts.json; start_run logs them."""
-    id_file = run_dir / "mlflow_run_id"
-    if not id_file.exists():
+    the run exists they wait in restarts.json; its creation logs them."""
+    run = run or run_id(run_dir)
+    if run is None:
         return
-    client = mlflow.MlflowClient(tracking_uri())
-    run_id = id_file.read_text().strip()
     try:
-        client.log_metric(run_id, "restarts", len(causes), step=len(causes))
+        client().log_metric(run, "restarts", len(causes), step=len(causes))
         for number, cause in enumerate(causes, 1):
-            client.set_tag(run_id, f"restart.{number}", cause)
+            client().set_tag(run, f"restart.{number}", cause)
     except UNANSWERED as error:
         behind("the restarts", error)
 
@@ -213,28 +243,36 @@ def resumed_at(run_dir: Path, epochs: int) -> None:
         count.write_text(str(epochs))
 
 
+def epoch_metrics(record: dict, at: int) -> list[Metric]:
+    """One epoch's figures as MLflow metrics at its step (see FINAL_METRICS)."""
+    return [
+        Metric(f"epoch_{k}" if k in FINAL_METRICS else k, v, at, record["epoch"])
+        for k, v in record.items()
+        if k != "epoch" and isinstance(v, int | float)
+    ]
+
+
 def log_epochs(run_dir: Path, history: list[dict]) -> bool:
     """Log the epochs of history that MLflow does not have yet; False, with a
-    warning, when the server does not answer (the next call logs them)."""
+    warning, while the server does not answer (a later call logs them)."""
     count = run_dir / LOGGED_EPOCHS
     logged = int(count.read_text()) if count.exists() else 0
-    run_id = (run_dir / "mlflow_run_id").read_text().strip()
-    client = mlflow.MlflowClient(tracking_uri())
+    run = run_id(run_dir)
+    if run is None:
+        return False
     try:
         for record in history[logged:]:
-            at = mlflow.utils.time.get_current_time_millis()
-            figures = [
-                Metric(k, v, at, record["epoch"])
-                for k, v in record.items()
-                if k != "epoch" and isinstance(v, int | float)
-            ]
-            client.log_batch(run_id, metrics=figures)
+            client().log_batch(run, metrics=epoch_metrics(record, now_ms()))
             logged += 1
             count.write_text(str(logged))
     except UNANSWERED as error:
         behind(f"epochs {logged + 1} to {len(history)}", error)
         return False
     return True
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def log_network(run_dir: Path, record: dict) -> None:
@@ -244,44 +282,92 @@ def log_network(run_dir: Path, record: dict) -> None:
     for kind in ("measured", "expected"):
         for role, ways in record[kind].items():
             figures |= {f"{kind}_{role}_{way}_mb_per_step": n / 1e6 for way, n in ways.items()}
-    run_id = (run_dir / "mlflow_run_id").read_text().strip()
-    at = mlflow.utils.time.get_current_time_millis()
+    at, run = now_ms(), run_id(run_dir)
     try:
-        mlflow.MlflowClient(tracking_uri()).log_batch(
-            run_id, metrics=[Metric(k, v, at, 0) for k, v in figures.items()]
-        )
+        if run is None:
+            raise MlflowException("the run has not been created yet")
+        client().log_batch(run, metrics=[Metric(k, v, at, 0) for k, v in figures.items()])
     except UNANSWERED as error:
         print(f"tracking: the network figures are in {run_dir}/network.json only: {error}")
 
 
 def log_finished(run_dir: Path, metrics: dict) -> bool:
-    """A finished run's record, from its files: the epochs MLflow lacks, the
-    final figures, tags and artifacts, its end. While the server does not
-    answer, run_dir/mlflow_behind says so, and the same command run again
-    (which finds the run done) logs it."""
+    """A finished run's record, from its files: the run itself if MLflow has
+    not got it yet, the epochs it lacks, the final figures, tags, model and
+    artifacts, its end (and its parents'). While the server does not answer,
+    run_dir/mlflow_behind says so, and the same command run again (which finds
+    the run done) logs it."""
     marker = run_dir / TRACKING_BEHIND
-    run_id = metrics["mlflow_run_id"]
-    client = mlflow.MlflowClient(tracking_uri())
-    at = mlflow.utils.time.get_current_time_millis()
+    marker.write_text("the finished run is not in MLflow yet\n")
+    run = run_id(run_dir)
+    if run is None:
+        return False
+    if metrics["mlflow_run_id"] != run:  # created only now: the run's files say so too
+        metrics["mlflow_run_id"] = run
+        write_json_atomically(run_dir / "metrics.json", metrics)
+    at = now_ms()
     final = [Metric(k, metrics[k], at, 0) for k in FINAL_METRICS if metrics.get(k) is not None]
     tags = {"target_reached": str(metrics["epochs_to_target"] is not None).lower()}
     if metrics["skipped_checkpoints"]:
         tags["skipped_checkpoints"] = "; ".join(metrics["skipped_checkpoints"])
     try:
         if not log_epochs(run_dir, metrics["history"]):
-            raise MlflowException("the epochs could not be logged")
-        client.log_batch(run_id, metrics=final, tags=[RunTag(k, v) for k, v in tags.items()])
+            return False
+        client().log_batch(run, metrics=final, tags=[RunTag(k, v) for k, v in tags.items()])
+        log_model(run_dir, run)
         profile = run_dir / "profile"
         if profile.is_dir():
-            client.log_artifacts(run_id, str(profile), "profile")
-        client.log_artifact(run_id, str(run_dir / "metrics.json"))
-        client.set_terminated(run_id)
+            client().log_artifacts(run, str(profile), "profile")
+        for name in ("metrics.json", AUTOTUNE_LOG):
+            if (run_dir / name).exists():
+                client().log_artifact(run, str(run_dir / name))
+        client().set_terminated(run, end_time=at)
+        parent = config.load(run_dir / "config.yaml").mlflow_parent
+        if parent:
+            parents.extend(Path(parent), at)
     except UNANSWERED as error:
         behind("the finished run", error)
-        marker.write_text(f"{error}\n")
         return False
-    marker.unlink(missing_ok=True)
+    marker.unlink()
     return True
+
+
+def log_model(run_dir: Path, run: str) -> None:
+    """The final model (run_dir/model.keras, when the run saved one) as the
+    run's MLflow model: the TensorFlow flavor, with its signature and an input
+    example from the validation set. `mlflow.tensorflow.load_model` of
+    models:/<id in run_dir/mlflow_model_id> gives it back."""
+    id_file = run_dir / MODEL_ID_FILE
+    if id_file.exists() or not (run_dir / MODEL_FILE).exists():
+        return
+    import numpy as np
+    import tf_keras as keras
+    from mlflow.models import infer_signature
+
+    model = keras.models.load_model(run_dir / MODEL_FILE)
+    example = np.load(run_dir / INPUT_EXAMPLE)
+    mlflow.set_tracking_uri(tracking_uri())  # Model.log asks the fluent API's store
+    info = mlflow.tensorflow.log_model(
+        model,
+        name="model",
+        run_id=run,
+        signature=infer_signature(example, model(example).numpy()),
+        input_example=example,
+        pip_requirements=[f"{p}=={metadata.version(p)}" for p in ("tensorflow", "tf_keras")],
+    )
+    id_file.write_text(info.model_id)
+
+
+def create_parent(experiment: str, name: str, tags: dict, parent: str | None) -> str:
+    """A parent run (see distrepro.parents), started now."""
+    tags = tags | ({"mlflow.parentRunId": parent} if parent else {})
+    return client().create_run(ensure_experiment(experiment), run_name=name, tags=tags).info.run_id
+
+
+def end_no_earlier(run: str, end_ms: int) -> None:
+    ended = client().get_run(run).info.end_time
+    if ended is None or ended < end_ms:
+        client().set_terminated(run, end_time=end_ms)
 
 
 def log_setting_figures(summary: dict, runs: list[dict]) -> None:
@@ -289,12 +375,11 @@ def log_setting_figures(summary: dict, runs: list[dict]) -> None:
     metric names, with the 95 % interval as <name>_ci95_low/_high and the
     count as `seeds`, so that the runs table compares settings without
     unfolding them (report.summary gives the figures)."""
-    client = mlflow.MlflowClient(tracking_uri())
-    at = mlflow.utils.time.get_current_time_millis()
+    at = now_ms()
     by_run = {run["run_name"]: run["mlflow_run_id"] for run in runs}
     try:
         for setting in summary.values():
-            child = client.get_run(by_run[next(iter(setting["runs"]))])
+            child = client().get_run(by_run[next(iter(setting["runs"]))])
             parent = child.data.tags.get("mlflow.parentRunId")
             if parent is None:
                 continue
@@ -305,37 +390,78 @@ def log_setting_figures(summary: dict, runs: list[dict]) -> None:
                     for bound, end in zip(value["ci95"], ("low", "high"), strict=True):
                         if not math.isnan(bound):  # one seed has no interval
                             figures += [Metric(f"{key}_ci95_{end}", bound, at, 0)]
-            client.log_batch(parent, metrics=figures)
+            client().log_batch(parent, metrics=figures)
     except UNANSWERED as error:
         behind("the settings' means", error)
 
 
-def start_parent(experiment: str, kind: str, name: str, parent_run_id: str = "") -> str:
-    """An MLflow run that runs are children of: a sweep's, a scaling's or a
-    network experiment's settings, or a setting's seeds (tagged kind=name)."""
-    experiment_id = ensure_experiment(experiment)
-    client = mlflow.MlflowClient()
-    tags = {kind: name} | ({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})
-    run = client.create_run(experiment_id, run_name=name, tags=tags)
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
+class SystemMetrics:
+    """The chief's system figures (MLflow's CPU, disk and network monitors,
+    as `system/<name>`), sampled every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+    seconds (5) into its run. What a server that does not answer missed is
+    kept and sent with the next sample: MLflow's own monitor stops at its
+    first failed call and never resumes. One per process."""
+
+    running: SystemMetrics | None = None
+
+    def __init__(self, run_dir: Path):
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+        from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+        from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+        self.run_dir, self.pending, self.started = run_dir, [], time.time()
+        self.monitors = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+        self.interval = float(os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", 5))
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True, name="system-metrics")
+
+    @classmethod
+    def start(cls, run_dir: Path) -> None:
+        if cls.running is None:
+            cls.running = cls(run_dir)
+            cls.running.thread.start()
+
+    @classmethod
+    def stop(cls) -> None:
+        """Take a last sample and send what is left, if the server answers."""
+        if cls.running is not None:
+            cls.running.done.set()
+            cls.running.thread.join()
+            cls.running = None
+
+    def sample(self) -> None:
+        while not self.done.wait(self.interval):
+            self.take()
+        self.take()
+
+    def take(self) -> None:
+        at = now_ms()
+        step = round((time.time() - self.started) / self.interval)
+        for monitor in self.monitors:
+            monitor.collect_metrics()
+            figures = monitor.aggregate_metrics()
+            self.pending += [Metric(f"system/{k}", v, at, step) for k, v in figures.items()]
+            monitor.clear_metrics()
+        run = run_id(self.run_dir) if (self.run_dir / RUN_ID_FILE).exists() else None
+        if run is None:
+            return
+        try:
+            client().log_batch(run, metrics=self.pending)
+            self.pending = []
+        except UNANSWERED:
+            pass  # kept for the next sample
 
 
 def main(argv: list[str]) -> None:
-    """`init EXPERIMENT OUT` creates the store and experiment; `parent KIND
-    EXPERIMENT NAME OUT [PARENT_RUN_ID]` creates a parent run (OUT receives the
-    id); `url EXPERIMENT UI` prints the UI's link to the experiment's runs table."""
+    """`init EXPERIMENT OUT` creates the store and experiment; `url
+    EXPERIMENT UI` prints the UI's link to the experiment's runs table."""
     if argv[:1] == ["init"] and len(argv) == 3:
         Path(argv[2]).write_text(ensure_experiment(argv[1]) + "\n")
     elif argv[:1] == ["url"] and len(argv) == 3:
         print(argv[2].rstrip("/") + "/" + RUNS_VIEW_PATH.format(id=ensure_experiment(argv[1])))
-    elif argv[:1] == ["parent"] and len(argv) in (5, 6) and argv[1] in PARENT_KINDS:
-        kind, experiment, name, out, *parent = argv[1:]
-        Path(out).write_text(start_parent(experiment, kind, name, *parent) + "\n")
     else:
         raise SystemExit(
-            "usage: python -m distrepro.tracking init EXPERIMENT OUT | "
-            "parent sweep|scaling|setting EXPERIMENT NAME OUT [PARENT_RUN_ID] | url EXPERIMENT UI"
+            "usage: python -m distrepro.tracking init EXPERIMENT OUT | url EXPERIMENT UI"
         )
 
 

@@ -31,9 +31,31 @@ rule report:
         "python -m distrepro.report 'report.runs={params.runs}' report.out_dir=results/{wildcards.reportdir} > {log} 2>&1"
 
 
+# variants=best: the grid's winner of each strategy at its shaped rate and
+# unshaped, which the network target then trains with every seed.
+checkpoint network_best:
+    input:
+        grid_inputs,
+    output:
+        "results/network/{id}/best.json",
+    log:
+        "logs/report/network/{id}-best.log",
+    benchmark:
+        "results/benchmarks/report/network/{id}-best.tsv"
+    wildcard_constraints:
+        id="[0-9a-f]+",
+    conda:
+        "../../environment.yml"
+    params:
+        runs=lambda wildcards, input: " ".join(str(Path(f).parent) for f in input),
+    shell:
+        "python -m distrepro.network_report winners {output} {params.runs} > {log} 2>&1"
+
+
 rule network_report:
     input:
-        network_inputs,
+        runs=network_inputs,
+        best=best_file,
     output:
         md="results/network/{id}/report/report.md",
         curves=report(
@@ -51,6 +73,7 @@ rule network_report:
     conda:
         "../../environment.yml"
     params:
-        runs=lambda wildcards, input: " ".join(str(Path(f).parent) for f in input),
+        runs=lambda wildcards, input: " ".join(str(Path(f).parent) for f in input.runs),
+        winners=lambda wildcards, input: f"--winners {input.best}" if input.best else "",
     shell:
-        "python -m distrepro.network_report results/network/{wildcards.id}/report {params.runs} > {log} 2>&1"
+        "python -m distrepro.network_report {params.winners} results/network/{wildcards.id}/report {params.runs} > {log} 2>&1"

@@ -44,13 +44,10 @@ rule network_train:
         unpack(train_inputs),
     output:
         "results/runs/{run}/network.json",
-        "results/runs/{run}/metrics.json",
     log:
         "logs/network/{run}.log",
     benchmark:
         "results/benchmarks/network/{run}.tsv"
-    wildcard_constraints:
-        run="|".join(NETWORK_RUNS) or "^$",
     retries: config["train_retries"]
     conda:
         "../../environment.yml"
@@ -66,14 +63,11 @@ rule network_train:
         "exec python -m distrepro.network {params.overrides} > {log} 2>&1"
 
 
-ruleorder: network_train > train
-
-
+# The MLflow parents of a group's settings and of a setting's seeds, described
+# (distrepro.parents): each is created in MLflow by its first child.
 rule group_parent:
-    input:
-        "results/mlflow/experiment_id",
     output:
-        "results/{kind}/{id}/parent_run_id",
+        "results/{kind}/{id}/parent.json",
     log:
         "logs/group_parent/{kind}/{id}.log",
     benchmark:
@@ -87,14 +81,14 @@ rule group_parent:
         experiment=EXPERIMENT,
         kind=group_kind,
     shell:
-        "python -m distrepro.tracking parent {params.kind} {params.experiment} {params.kind}-{wildcards.id} {output} > {log} 2>&1"
+        "python -m distrepro.parents {params.kind} {params.experiment} {params.kind}-{wildcards.id} results/{wildcards.kind}/{wildcards.id} > {log} 2>&1"
 
 
 rule setting_parent:
     input:
-        setting_parent_inputs,
+        outer_parent_spec,
     output:
-        "results/{scope}/settings/{setting}/parent_run_id",
+        "results/{scope}/settings/{setting}/parent.json",
     log:
         "logs/setting_parent/{scope}/{setting}.log",
     benchmark:
@@ -105,6 +99,6 @@ rule setting_parent:
         "../../environment.yml"
     params:
         experiment=EXPERIMENT,
-        parent=outer_parent,
+        outer=outer_parent,
     shell:
-        "python -m distrepro.tracking parent setting {params.experiment} {wildcards.setting} {output} {params.parent} > {log} 2>&1"
+        "python -m distrepro.parents setting {params.experiment} {wildcards.setting} results/{wildcards.scope}/settings/{wildcards.setting} {params.outer} > {log} 2>&1"

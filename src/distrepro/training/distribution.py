@@ -76,6 +76,10 @@ class Distribution:
         process: it may be collective)."""
         return {"devices": device}
 
+    def figures(self) -> dict:
+        """What the strategy adds to the chief's metrics.json."""
+        return {}
+
     def profile(self, files: RunFiles) -> Profile:
         from distrepro.training.files import Profile
 
@@ -128,9 +132,9 @@ def main(config_path: str, distribution: type[Distribution]) -> None:
     profile = strategy.profile(files) if cfg.train.profile else None
 
     def track() -> None:
-        """Start (or, on a new chief, resume) the MLflow run on the chief."""
-        if strategy.is_chief and not tracking.active():
-            tracking.start_run(cfg, run_dir, params)
+        """Start or resume the MLflow run on the chief (elastic Horovod's new one too)."""
+        if strategy.is_chief:
+            tracking.start_run(run_dir, params)
 
     def train(progress: loop.Progress, stride: int | None = None) -> list[dict]:
         stride = stride or loop.progress_stride(updates, per_call)
@@ -141,4 +145,4 @@ def main(config_path: str, distribution: type[Distribution]) -> None:
     history = strategy.train(train, track, files)
     strategy.end()
     if strategy.is_chief:
-        finish(cfg, files, history, tracking.active())
+        finish(cfg, files, history, strategy.figures())

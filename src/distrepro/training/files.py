@@ -7,9 +7,9 @@ import json
 import math
 import os
 import shutil
-from contextlib import suppress
 from pathlib import Path
 
+import numpy as np
 import tensorflow as tf
 
 from distrepro import tracking
@@ -90,7 +90,27 @@ class RunFiles:
             self.manager.checkpoint.write(str(self.scratch / "ckpt"))
             shutil.rmtree(self.scratch)
 
-    def write_metrics(self, cfg, history: list[dict], mlflow_run_id: str) -> dict:
+    def save_model(self, cfg) -> None:
+        """The final model, rebuilt outside any strategy from the last
+        checkpoint, and two validation images as its input example: what
+        tracking logs as the run's MLflow model. (Not the live variables: under
+        MultiWorkerMirroredStrategy reading batch norm's statistics is an
+        all-reduce, which the other workers, done, no longer join.)"""
+        from distrepro.training.inputs import make_dataset
+        from distrepro.training.models import build_model
+
+        classes = self.model.output_shape[-1]
+        final = build_model(cfg.model, cfg.data.image_size, classes)
+        tf.train.Checkpoint(model=final).read(self.manager.latest_checkpoint).expect_partial()
+        partial = self.run_dir / f".partial-{tracking.MODEL_FILE}"  # Keras wants the suffix
+        final.save(partial)
+        os.replace(partial, self.run_dir / tracking.MODEL_FILE)
+        images, _ = next(iter(make_dataset(cfg.data, "validation", 2)))
+        np.save(self.run_dir / tracking.INPUT_EXAMPLE, images.numpy())
+
+    def write_metrics(
+        self, cfg, history: list[dict], mlflow_run_id: str | None, figures: dict
+    ) -> dict:
         rates = [h["images_per_sec"] for h in history]
         metrics = {
             "run_name": self.run_dir.name,
@@ -120,6 +140,7 @@ class RunFiles:
             "final_checkpoint": self.manager.latest_checkpoint,
             "skipped_checkpoints": self.skipped_checkpoints(),
             "mlflow_run_id": mlflow_run_id,
+            **figures,
             "history": history,
         }
         timeline = self.run_dir / PROFILE_DIR / HOROVOD_TIMELINE
@@ -175,12 +196,12 @@ class Profile:
             self.state = "done"
 
 
-def finish(cfg, files: RunFiles, history: list[dict], run_id: str) -> dict:
-    """The chief's end of a run: metrics.json, then its MLflow record."""
-    import mlflow
-
-    metrics = files.write_metrics(cfg, history, run_id)
+def finish(cfg, files: RunFiles, history: list[dict], figures: dict) -> dict:
+    """The chief's end of a run: metrics.json (with the strategy's own
+    figures) and the final model in the run's files, then its MLflow record."""
+    if cfg.train.log_model:
+        files.save_model(cfg)
+    metrics = files.write_metrics(cfg, history, tracking.run_id(files.run_dir), figures)
+    tracking.SystemMetrics.stop()
     tracking.log_finished(files.run_dir, metrics)
-    with suppress(*tracking.UNANSWERED):  # ends the run here, and its system metrics
-        mlflow.end_run()
     return metrics
