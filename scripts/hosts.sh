@@ -13,13 +13,20 @@
 #   scripts/hosts.sh run DIR HOST COMMAND..  run COMMAND on HOST
 #   scripts/hosts.sh down DIR              remove all that `up` made, also half-made, and stop
 #                                          every process left on the hosts
+#   scripts/hosts.sh down --stale          the same for every DIR whose owner has died
+#
+# The owner of a DIR is the process that asked for it (HOSTS_OWNER, by default
+# `up`'s parent): DIR/owner keeps its pid and start time, and /run/distrepro-hosts
+# links each DIR, so that hosts left by an owner killed with SIGKILL are found
+# and removed (`down --stale`), and nothing of a live owner is touched.
 # Root only.
 set -Eeuo pipefail # -E: the ERR trap of `up` also fires inside functions
 
 SUBNET=10.247.0 # private, and only inside the namespaces
+REGISTRY=/run/distrepro-hosts # DIRs made by `up`, by their id; /run is emptied at boot
 
 action=${1:-}
-dir=$(realpath -m "${2:-.}")
+dir=$(realpath -m -- "${2:-.}")
 id=$(printf %s "$dir" | sha1sum | cut -c1-8)
 namespace() { echo "drp$id-$1"; } # unique per DIR: concurrent sessions do not meet
 SWITCH=$(namespace switch)
@@ -54,10 +61,20 @@ tc_bits() { # 10mbit -> 10000000 (tc's decimal units)
   esac
 }
 
+started() { # PID: its start time (clock ticks since boot), empty if it is gone
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 0
+  stat=${stat##*) } # after "pid (name) ": the state is field 3
+  set -- $stat
+  echo "${20}"
+}
+
 up() {
-  local count=${1:-2} rate=${2:-}
+  local count=${1:-2} rate=${2:-} owner=${HOSTS_OWNER:-$PPID}
   [ -z "$rate" ] || tc_bits "$rate" >/dev/null
-  mkdir -p "$dir"
+  mkdir -p "$dir" "$REGISTRY"
+  echo "$owner $(started "$owner")" >"$dir/owner"
+  ln -sfn "$dir" "$REGISTRY/$id"
   if [ ! -d /run/sshd ]; then # sshd's privilege separation directory
     mkdir /run/sshd
     touch "$dir/made_run_sshd"
@@ -122,23 +139,34 @@ down() {
   for pid in "$dir"/sshd-*.pid; do
     [ -e "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true
   done
-  for ns in $(cat "$dir/namespaces" 2>/dev/null || true); do
-    if ip netns list | grep -qw "$ns"; then
-      for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
-      ip netns del "$ns"
-    fi
-    rm -rf "/etc/netns/$ns"
+  # By name (unique per DIR), also when DIR itself is gone.
+  for ns in $(ip netns list | grep -o "^drp$id-[a-z0-9]*" || true); do
+    for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
+    ip netns del "$ns"
   done
+  rm -rf /etc/netns/"drp$id"-*
   # A cable made but not yet moved when `up` stopped half-way.
   local cable
   for cable in $(ip -o link show | grep -o "drp$id-[a-z0-9]*" | sort -u); do
     ip link del "$cable" 2>/dev/null || true
   done
-  rm -f "$dir/namespaces"
+  rm -f "$dir/namespaces" "$dir/owner" "$REGISTRY/$id"
   if [ -e "$dir/made_run_sshd" ]; then
     rmdir /run/sshd 2>/dev/null || true # another sshd may use it now
     rm "$dir/made_run_sshd"
   fi
+}
+
+down_stale() { # every registered DIR whose owner is no longer the process it was
+  local link owner start
+  for link in "$REGISTRY"/*; do
+    [ -L "$link" ] || continue
+    read -r owner start <"$link/owner" 2>/dev/null || owner=""
+    if [ -z "$owner" ] || [ "$(started "$owner")" != "$start" ]; then
+      echo "hosts.sh: removing $(readlink "$link"), whose owner ${owner:-?} has gone" >&2
+      "$0" down "$(readlink "$link")"
+    fi
+  done
 }
 
 case $action in
@@ -151,9 +179,11 @@ run)
   shift 3
   on_host "$host" "$@"
   ;;
-down) down ;;
+down)
+  if [ "${2:-}" = --stale ]; then down_stale; else down; fi
+  ;;
 *)
-  echo "usage: $0 up|run|down DIR [N [RATE] | HOST COMMAND..]" >&2
+  echo "usage: $0 up|run|down DIR [N [RATE] | HOST COMMAND..] | down --stale" >&2
   exit 2
   ;;
 esac

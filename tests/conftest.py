@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -215,8 +216,116 @@ def mlflow_uri(tmp_path, monkeypatch, empty_mlflow_store) -> str:
 
 
 # Inherited by every process the tests start, so that they are told apart from
-# training processes of other runs on the same machine.
-TEST_SESSION = os.environ.setdefault("DISTREPRO_TEST_SESSION", str(os.getpid()))
+# training processes of other runs on the same machine: this session's pid and
+# start time (a pid alone may be a later process's).
+SESSION_MARK = "DISTREPRO_TEST_SESSION"
+
+
+def process_mark(pid: int) -> str:
+    import psutil
+
+    return f"{pid}:{psutil.Process(pid).create_time()!r}"
+
+
+TEST_SESSION = os.environ.setdefault(SESSION_MARK, process_mark(os.getpid()))
+HOSTS_SH = str(REPO / "scripts" / "hosts.sh")
+SLURM_SH = str(REPO / "tests" / "slurm.sh")
+
+
+def alive(mark: str) -> bool:
+    """Whether the session of a mark runs; a mark of another form is left alone."""
+    import psutil
+
+    pid, _, started = mark.partition(":")
+    if not (pid.isdigit() and started):
+        return True
+    try:
+        return process_mark(int(pid)) == mark
+    except psutil.Error:
+        return False
+
+
+def reap_dead_sessions() -> None:
+    """What a test session killed with SIGKILL left, removed at the next
+    one's start: the hosts and clusters it owned (`hosts.sh down --stale`:
+    their daemons and clients run on them), then every process that carries
+    its mark."""
+    import psutil
+
+    if os.geteuid() == 0 and shutil.which("ip"):
+        subprocess.run([HOSTS_SH, "down", "--stale"], check=True)
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            mark = proc.environ().get(SESSION_MARK)
+        except psutil.Error:
+            continue
+        if mark and mark != TEST_SESSION and not alive(mark):
+            left.append(proc)
+            proc.kill()
+    psutil.wait_procs(left, timeout=10)
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def pytest_sessionstart(session) -> None:
+    reap_dead_sessions()
+    # SIGTERM (CI's time limit, a scheduler) unwinds like Ctrl-C: pytest then
+    # tears down every fixture, clusters and hosts included.
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def netns_names() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return [line.split()[0] for line in listed.stdout.splitlines()]
+
+
+def skip_without_hosts() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("hosts need root: network namespaces (ip netns) and an sshd in each")
+    missing = [tool for tool in ("ip", "ssh", "sshd", "unshare") if not shutil.which(tool)]
+    if missing:
+        pytest.skip(f"hosts need {', '.join(missing)}: `make test` installs them")
+
+
+@pytest.fixture(scope="session")
+def two_hosts(tmp_path_factory) -> Path:
+    """node1 and node2 (scripts/hosts.sh), removed afterwards with every
+    process left on them."""
+    skip_without_hosts()
+    folder = tmp_path_factory.mktemp("hosts")
+    subprocess.run([HOSTS_SH, "up", folder], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run([HOSTS_SH, "down", folder], check=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory) -> Path:
+    """A SLURM cluster of two namespace hosts, node1 and node2, with no sshd
+    (tests/slurm.sh); its folder. Every daemon it started has ended afterwards."""
+    import psutil
+
+    skip_without_hosts()
+    tools = ("munged", "slurmctld", "slurmd", "sbatch", "findmnt")
+    missing = [tool for tool in tools if not shutil.which(tool)]
+    if missing:
+        pytest.skip(f"a SLURM cluster needs {', '.join(missing)}: `make test` installs them")
+    folder = tmp_path_factory.mktemp("slurm")
+    up = subprocess.run([SLURM_SH, "up", folder], capture_output=True, text=True)
+    daemons, hosts = [], []
+    try:
+        assert up.returncode == 0, up.stderr
+        daemons = [int(p.read_text()) for p in folder.glob("*.pid")]
+        hosts = (folder / "hosts" / "namespaces").read_text().split()
+        yield folder
+    finally:
+        subprocess.run([SLURM_SH, "down", folder], check=True)
+    assert not [pid for pid in daemons if psutil.pid_exists(pid)], "a daemon outlived the tests"
+    assert not set(hosts) & set(netns_names()), "a host outlived the tests"
 
 
 def training_processes() -> list:

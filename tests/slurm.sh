@@ -1,9 +1,12 @@
 #!/bin/bash
 # A SLURM cluster of namespace hosts for the tests: node1..nodeN made by
 # scripts/hosts.sh with their sshd stopped (every process a job starts is
-# started by SLURM), slurmctld and a slurmd on node1, a slurmd on each other
-# node, munged with one key on its default socket (one such cluster at a
-# time). Config, key, state and logs in DIR; the hosts in DIR/hosts.
+# started by SLURM), slurmctld, munged and a slurmd on node1, a slurmd on each
+# other node; munged with one key on its default socket, which every node
+# reaches through the filesystem (one such cluster at a time). Every daemon
+# runs on a host, so that the hosts' removal stops them all: that of a cluster
+# whose owner (the caller, or HOSTS_OWNER) was killed too (`hosts.sh down
+# --stale`). Config, key, state and logs in DIR; the hosts in DIR/hosts.
 # Configless: each slurmd fetches the config from slurmctld and keeps it in
 # /run/slurm/conf, where the job steps' srun finds it (Snakemake's jobstep
 # executor drops SLURM_CONF).
@@ -48,12 +51,12 @@ cgroup_mounts() {
 up() {
   local count=${1:-2} i memory
   mkdir -p "$dir/state"
-  "$hosts_sh" up "$dir/hosts" "$count"
+  HOSTS_OWNER=${HOSTS_OWNER:-$PPID} "$hosts_sh" up "$dir/hosts" "$count"
   for pid in "$dir"/hosts/sshd-*.pid; do kill "$(cat "$pid")"; done
   mungekey --create --keyfile="$dir/munge.key"
   # munged on its default socket: slurmd asks for its config before it knows another.
   mkdir -p /run/munge
-  munged --force --key-file="$dir/munge.key" \
+  on node1 munged --force --key-file="$dir/munge.key" \
     --pid-file="$dir/munged.pid" --log-file="$dir/munged.log" --seed-file="$dir/munged.seed"
   memory=$(free -m | awk -v n="$count" '/^Mem:/ {print int($2 * 0.9 / n)}')
   cat >"$dir/slurm.conf" <<EOF
