@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shlex
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -72,20 +73,34 @@ class ModelConfig:
 
 @dataclass
 class StrategyConfig:
+    """Every strategy's keys. The shared ones (strategies.SHARED_KEYS) mean
+    the same for each; the others belong to the strategies that name them
+    (their module's KEYS) and are refused, set, for any other."""
+
     name: StrategyName = MISSING
     num_workers: int = 2
-    num_ps: int = 0
     hosts: Optional[str] = None
-    controller: str = "gloo"  # Horovod's: gloo or mpi
-    communication: str = "auto"  # TensorFlow's all-reduce: auto, ring or nccl
-    fp16_allreduce: bool = False
-    steps_per_call: int = 10
     gpus_per_worker: int = 0
     cores_per_worker: int = 1  # what a scheduler gives each worker (SLURM's cpus-per-task)
     workers_per_node: Optional[int] = None  # SLURM: the workers on each node; None: one node
-    elastic: bool = False  # Horovod: go on with the ranks left when one fails
+    steps_per_call: int = 1  # updates in one call of the training step (tf.function)
+    # The parameter server's:
+    num_ps: int = 0
+    ps_placement: str = "separate"  # separate (the first host) or colocated (beside the workers)
+    partitioner: str = "none"  # none, min_size or fixed (TensorFlow's variable partitioners)
+    # Horovod's:
+    controller: str = "gloo"  # gloo or mpi
+    elastic: bool = False  # go on with the ranks left when one fails
     min_workers: int = 1  # elastic: fewer ranks than this end the run
     commit_every: int = 10  # elastic: updates between commits of the state
+    fusion_threshold_mb: Optional[float] = None  # HOROVOD_FUSION_THRESHOLD; None: Horovod's
+    cycle_time_ms: Optional[float] = None  # HOROVOD_CYCLE_TIME; None: Horovod's
+    autotune: bool = False  # Horovod's autotuning of fusion and cycle time, logged
+    # TensorFlow's all-reduce's:
+    communication: str = "auto"  # auto, ring or nccl
+    bytes_per_pack: int = 0  # CommunicationOptions.bytes_per_pack; 0: TensorFlow's
+    # Horovod's and TensorFlow's all-reduce's:
+    fp16_allreduce: bool = False  # gradients all-reduced in fp16
 
 
 @dataclass
@@ -113,6 +128,7 @@ class TrainConfig:
     deterministic: bool = False
     profile: bool = False
     profile_steps: list[int] = field(default_factory=lambda: [10, 15])
+    log_model: bool = True
 
 
 @dataclass
@@ -148,7 +164,8 @@ class Config:
     seed: int = 0
     results_dir: str = "results/runs"
     mlflow_experiment: str = "distrepro"
-    mlflow_parent_run_id: Optional[str] = None
+    mlflow_parent_run_id: Optional[str] = None  # an existing MLflow run
+    mlflow_parent: Optional[str] = None  # or a folder describing one (distrepro.parents)
     experiment: Optional[Any] = None
 
 
@@ -185,6 +202,19 @@ def compose_many(override_lists: list[list[str]]) -> list[DictConfig]:
     return configs
 
 
+def sweep_axes(text: str) -> list[list[str]]:
+    """Hydra's sweep grammar ("a=1,2 b=x"): one axis of overrides per key."""
+    parsed = OverridesParser.create().parse_overrides(shlex.split(text))
+    return [
+        (
+            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            if o.is_sweep_override()
+            else [f"{o.get_key_element()}={o.get_value_element_as_str()}"]
+        )
+        for o in parsed
+    ]
+
+
 def load(path: Path | str) -> DictConfig:
     """A run's saved config.yaml, in the schema the launcher validated it in
     (the same types, enums and defaults)."""
@@ -211,11 +241,12 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def setting_name(cfg: DictConfig) -> str:
-    """A readable name that changes whenever anything but the seed does: what
+    """A readable name that changes whenever anything trained but the seed does: what
     the runs of one setting with different seeds share."""
     plain = to_plain(cfg)
-    for not_the_setting in ("prepare", "report", "mlflow_parent_run_id", "seed"):
+    for not_the_setting in ("prepare", "report", "mlflow_parent_run_id", "mlflow_parent", "seed"):
         plain.pop(not_the_setting, None)
+    plain["train"].pop("log_model")  # what is logged, not what is trained
     digest = hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
     return (
         f"{cfg.data.name}-{cfg.model.name}-{plain['strategy']['name']}"

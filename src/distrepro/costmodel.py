@@ -10,14 +10,19 @@ Bytes per step, with N workers, G gradient bytes (trainable parameters x 4,
 or x 2 with fp16 all-reduce) and M variable bytes (every parameter, fp32):
 
   all-reduce (a ring)   each worker sends and receives 2(N-1)/N x G.
-  parameter server      each worker receives R x M and sends G (its
-                        gradients); the links of the P ps hosts together
-                        receive N x G and send N x R x M. R = 2: a worker's
-                        update reads each variable from its ps twice, in the
-                        forward pass and again in the backward (a layer's
-                        gradient with respect to its input needs its
-                        weights); TensorFlow does not keep remote reads
-                        within a step.
+  parameter server      a worker reads R x M (R reads of each variable per
+                        update: 1, the forward pass's, since the weight decay
+                        is applied on the ps tasks) and sends its G.
+    separate            every ps task on a host of its own: that host's link
+                        sends N x R x M and receives N x G.
+    colocated           a ps task beside each worker, holding a share s_h of
+                        the model on host h (the partitioner decides it): a
+                        host's worker reads (1 - s_h) of the model over the
+                        link and its ps serves s_h to the N - 1 others, so
+                        the link receives R M (1 - s_h) + (N - 1) G s_h and
+                        sends G (1 - s_h) + (N - 1) R M s_h. With s_h = 1/N
+                        and R = 1 that is (1 + R) M (N-1)/N each way: a
+                        ring's 2 G (N-1)/N.
 
 Time per step, with c one worker's compute time per update (forward and
 backward of its batch: measured with the same processes on unshaped links,
@@ -34,11 +39,12 @@ or its batch / a device's published img/s):
                         r / (2/3 c). B is the ring's slowest edge: the
                         hosts' link when the workers span hosts, else the
                         link between a host's devices.
-  parameter server      max(c + (R x M + G) / B_w, N x max(R x M, G) / (P x B_ps))
-                        A worker reads, computes, then sends over its own
-                        path to the ps tasks, B_w (its host's link, or within
-                        one host its PCIe lanes); the P ps links B_ps carry
-                        every worker's traffic.
+  parameter server      the slowest of each worker's own path, c + (what it
+                        reads and sends over its link) / B, and each link's
+                        load, max(sent, received) / B, over all hosts. A
+                        separate ps host's link is B_ps; a worker's own path
+                        to a separate ps is B_w (its host's link, or within
+                        one host its PCIe lanes).
 
   img/s = global batch / time per step.
 """
@@ -48,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKWARD_SHARE = 2 / 3  # of a worker's compute: the backward pass does twice the forward's work
-PS_READS = 2  # reads of each variable per parameter-server update: forward and backward
+PS_READS = 1  # reads of each variable per parameter-server update: the forward pass's
 
 
 @dataclass(frozen=True)
@@ -57,17 +63,18 @@ class Links:
 
     hosts: float  # a host's link to the others (its NIC; here the shaped veth)
     devices: float  # between two workers of one host (NVLink, PCIe)
-    worker_ps: float  # a worker's own path to the ps tasks
-    ps: float  # a ps task's link (its host's link, or the PCIe to the CPU hosting it)
+    worker_ps: float  # a worker's own path to separate ps tasks
+    ps: float  # the link of separate ps tasks' host (or the PCIe to the CPU hosting them)
 
 
 @dataclass(frozen=True)
 class Setting:
     workers: int
     workers_per_host: int
-    num_ps: int
     global_batch: int
     compute_s: float  # one worker's compute time per update
+    ps_shares: tuple[float, ...] = ()  # colocated ps: the model's share on each worker's host
+    reads: float = PS_READS
 
 
 def gradient_bytes(trainable_parameters: int, fp16_allreduce: bool) -> float:
@@ -83,17 +90,51 @@ def ring_bytes(workers: int, gradients: float) -> float:
     return 2 * (workers - 1) / workers * gradients
 
 
+@dataclass(frozen=True)
+class HostLink:
+    """What one host's link carries in a parameter-server step."""
+
+    own: float  # bytes its worker reads and sends on its own path (0: a ps host)
+    sent: float
+    received: float
+    link: str  # which of Links it is
+
+
+def ps_links(setting: Setting, gradients: float, variables: float) -> list[HostLink]:
+    """Every host's link in a parameter-server step (see the module's formulas):
+    the workers' hosts, then a separate ps host."""
+    n, read = setting.workers, setting.reads * variables
+    if not setting.ps_shares:
+        worker = HostLink(read + gradients, gradients, read, "worker_ps")
+        return [worker] * n + [HostLink(0.0, n * read, n * gradients, "ps")]
+    return [
+        HostLink(
+            (read + gradients) * (1 - share),
+            gradients * (1 - share) + (n - 1) * read * share,
+            read * (1 - share) + (n - 1) * gradients * share,
+            "hosts",
+        )
+        for share in setting.ps_shares
+    ]
+
+
 def expected_bytes(
-    exchange: str, workers: int, num_ps: int, gradients: float, variables: float
+    exchange: str, setting: Setting, gradients: float, variables: float
 ) -> dict[str, dict[str, float]]:
-    """Bytes per step on a worker's link and on a ps task's link, each way."""
+    """Bytes per step on a worker's link and on a separate ps host's, each
+    way (colocated: the mean over the workers' hosts, each with its ps)."""
     if exchange == "all-reduce":
-        each = ring_bytes(workers, gradients)
+        each = ring_bytes(setting.workers, gradients)
         return {"worker": {"sent": each, "received": each}}
-    read = PS_READS * variables
+    links = ps_links(setting, gradients, variables)
+    if setting.ps_shares:
+        mean = {
+            way: sum(getattr(h, way) for h in links) / len(links) for way in ("sent", "received")
+        }
+        return {"worker": mean}
     return {
-        "worker": {"sent": gradients, "received": read},
-        "ps": {"sent": workers * read / num_ps, "received": workers * gradients / num_ps},
+        role: {"sent": host.sent, "received": host.received}
+        for role, host in (("worker", links[0]), ("ps", links[-1]))
     }
 
 
@@ -112,10 +153,12 @@ def step_time(
         edge = links.hosts if spans_hosts else links.devices
         communication = ring_bytes(n, gradients) / edge
         return c + max(0.0, communication - overlap * BACKWARD_SHARE * c)
-    read = PS_READS * variables
-    own = c + (read + gradients) / links.worker_ps
-    ps_links = n * max(read, gradients) / (setting.num_ps * links.ps)
-    return max(own, ps_links)
+    slowest = 0.0
+    for host in ps_links(setting, gradients, variables):
+        rate = getattr(links, host.link)
+        own = c + host.own / rate if host.own else 0.0
+        slowest = max(slowest, own, max(host.sent, host.received) / rate)
+    return slowest
 
 
 def overlap(most: float, ready_within_s: float | None, compute_s: float) -> float:

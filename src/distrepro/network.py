@@ -15,6 +15,7 @@ the model's size implies (costmodel), and the MLflow run gets both.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from omegaconf import DictConfig
 
 from distrepro import costmodel, strategies
 from distrepro.atomic import write_json_atomically
-from distrepro.config import REPO, compose_config, run_name
+from distrepro.config import REPO, compose_config, run_name, sweep_axes
 from distrepro.handoff import ON_SHAPED_HOSTS
 from distrepro.processes import end_with_parent, start, stop
 
@@ -48,6 +49,20 @@ TOOLS = ("ip", "tc", "ssh", "sshd", "unshare")
 
 class NetworkError(ValueError):
     """The experiment cannot run here, or network.bandwidth cannot be read."""
+
+
+def megabit(bandwidth: str) -> float:
+    number, unit = bandwidth[:-4], bandwidth[-4:]
+    return float(number) * {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}[unit]
+
+
+def variants(strategy: str, grid: str) -> list[list[str]]:
+    """The settings of a strategy that a grid (Hydra's sweep grammar over
+    strategy.* keys) asks for: the product of the axes whose key it takes;
+    the other keys are other strategies'."""
+    own = strategies.module(strategy).KEYS
+    axes = [axis for axis in sweep_axes(grid) if axis[0].split("=")[0].split(".")[-1] in own]
+    return [list(point) for point in itertools.product(*axes)]
 
 
 def layout(num_workers: int) -> str:
@@ -220,26 +235,56 @@ def bytes_per_step(counters: Counters, history: list[dict], global_batch: int) -
     return {"steps": steps, "per_step": per_step}
 
 
-def by_role(per_step: dict, num_workers: int, exchange: str) -> dict:
-    """Measured bytes per step on a worker's link (their mean) and the ps host's."""
-    workers = [per_step[f"node{i + 2}"] for i in range(num_workers)]
-    roles = {
+def worker_hosts(num_workers: int) -> list[str]:
+    return [f"node{i + 2}" for i in range(num_workers)]
+
+
+def by_role(per_step: dict, num_workers: int, roles: dict) -> dict:
+    """Measured bytes per step on a worker's link (their mean) and, where
+    the roles have one, the separate ps host's (the head's)."""
+    workers = [per_step[host] for host in worker_hosts(num_workers)]
+    measured = {
         "worker": {way: sum(w[way] for w in workers) / num_workers for way in ("sent", "received")}
     }
-    if exchange == "parameter server":
-        roles["ps"] = per_step[HEAD]
-    return roles
+    if "ps" in roles:
+        measured["ps"] = per_step[HEAD]
+    return measured
+
+
+def model_inputs(cfg: DictConfig, metrics: dict, compute_s: float = 0.0) -> tuple:
+    """(setting, gradient bytes, variable bytes) of a run for the cost model."""
+    strategy = strategies.of(cfg)
+    setting = costmodel.Setting(
+        workers=cfg.strategy.num_workers,
+        workers_per_host=1,
+        global_batch=cfg.train.global_batch_size,
+        compute_s=compute_s,
+        ps_shares=strategy.host_shares(cfg, metrics.get("ps_shares")),
+    )
+    gradients = costmodel.gradient_bytes(
+        metrics["trainable_parameters"], cfg.strategy.fp16_allreduce
+    )
+    return setting, gradients, costmodel.variable_bytes(metrics["parameters"])
 
 
 def expected(cfg: DictConfig, metrics: dict) -> dict:
-    strategy = strategies.of(cfg)
-    return costmodel.expected_bytes(
-        strategy.EXCHANGE,
-        cfg.strategy.num_workers,
-        cfg.strategy.num_ps,
-        costmodel.gradient_bytes(metrics["trainable_parameters"], cfg.strategy.fp16_allreduce),
-        costmodel.variable_bytes(metrics["parameters"]),
-    )
+    return costmodel.expected_bytes(strategies.of(cfg).EXCHANGE, *model_inputs(cfg, metrics))
+
+
+def reads_per_update(cfg: DictConfig, metrics: dict, per_step: dict) -> float | None:
+    """R as measured: what a parameter-server worker's host received beyond
+    its ps's share of gradients, over the model bytes it had to read (the
+    mean over the workers' hosts); None for an all-reduce."""
+    if strategies.of(cfg).EXCHANGE != "parameter server":
+        return None
+    setting, gradients, variables = model_inputs(cfg, metrics)
+    shares = setting.ps_shares or (0.0,) * setting.workers
+    n = setting.workers
+    reads = [
+        (per_step[host]["received"] - (n - 1) * gradients * share) / (variables * (1 - share))
+        for host, share in zip(worker_hosts(n), shares, strict=True)
+    ]
+    return sum(reads) / n
 
 
 def train(cfg: DictConfig, overrides: list[str]) -> Path:
@@ -254,6 +299,7 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
             f"{run_dir} finished training but has no network.json: its link counters are lost; "
             "move the directory away to train it again"
         )
+    subprocess.run([HOSTS_SH, "down", "--stale"], check=True)  # what killed runs left
     folder = Path(tempfile.mkdtemp(prefix="distrepro-hosts-"))
     rate = [] if cfg.network.bandwidth == UNSHAPED else [cfg.network.bandwidth]
     hosts = str(cfg.strategy.num_workers + 1)
@@ -275,14 +321,15 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         shutil.rmtree(folder)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     moved = bytes_per_step(counters, metrics["history"], cfg.train.global_batch_size)
-    exchange = strategies.of(cfg).EXCHANGE
+    roles = expected(cfg, metrics)
     record = {
         "bandwidth": cfg.network.bandwidth,
         "link_bytes_per_s": measured_rate,
-        "exchange": exchange,
+        "exchange": strategies.of(cfg).EXCHANGE,
         **moved,
-        "measured": by_role(moved["per_step"], cfg.strategy.num_workers, exchange),
-        "expected": expected(cfg, metrics),
+        "measured": by_role(moved["per_step"], cfg.strategy.num_workers, roles),
+        "expected": roles,
+        "reads_per_update": reads_per_update(cfg, metrics, moved["per_step"]),
     }
     write_json_atomically(run_dir / "network.json", record)
     from distrepro import tracking  # mlflow: 2 s to import, not for the probe's receive/send

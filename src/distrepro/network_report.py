@@ -1,14 +1,18 @@
-"""The network experiment's report: img/s against link rate per strategy
-(95 % intervals over seeds), where the strategies cross, the bytes per step
-measured on each link beside what the model size implies, each run's share
-of time communicating, and the cost model checked against every shaped run.
+"""The network experiment's report: img/s against link rate per strategy as
+it ships and at its best (95 % intervals over seeds), each strategy's grid
+of settings and its winners, where the strategies cross (as shipped and best
+against best), the bytes per step measured on each link beside what the
+model size implies for every layout, each run's share of time
+communicating, and the cost model checked against every shaped run.
 
-    python -m distrepro.network_report OUT_DIR RUN_DIR..
+    python -m distrepro.network_report winners BEST_JSON RUN_DIR..
+    python -m distrepro.network_report [--winners BEST_JSON] OUT_DIR RUN_DIR..
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -19,66 +23,104 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import yaml  # noqa: E402
 
-from distrepro import costmodel, stats, strategies  # noqa: E402
+from distrepro import config, costmodel, stats, strategies  # noqa: E402
 from distrepro.atomic import write_json_atomically  # noqa: E402
-from distrepro.network import UNSHAPED  # noqa: E402
+from distrepro.network import UNSHAPED, megabit, model_inputs  # noqa: E402
 from distrepro.report import markdown_table  # noqa: E402
 
 # A run is communication-bound when the model's communication time exceeds its compute.
 COMM_BOUND = 1.0
+SHIPPED = "as shipped"
 WHY_BYTES = {
     "all-reduce": (
-        "All-reduce: the ring's 2(N-1)/N x gradient bytes, plus TCP/IP headers and "
-        "acknowledgements of what the link receives (a few %) and the library's framing."
+        "All-reduce: the ring's 2(N-1)/N x gradient bytes (halved in fp16), plus TCP/IP "
+        "headers and acknowledgements of what the link receives (a few %) and the library's "
+        "framing."
     ),
     "parameter server": (
-        "Parameter server: a worker receives each variable twice per update (read in the "
-        "forward pass and again in the backward; remote reads are not kept within a step) "
-        "and sends its gradients and the batch norm statistics it updates; gRPC framing, "
-        "TCP/IP headers and acknowledgements add a few %. The ps link carries all workers'."
+        "Parameter server: a worker receives each variable it reads over the link once per "
+        "update (R, measured, in the last column; the weight decay is applied on the ps "
+        "tasks) and sends its gradients and the batch norm statistics it updates; a "
+        "colocated ps task serves its share to the other workers over its host's link. gRPC "
+        "framing, TCP/IP headers and acknowledgements add a few %."
     ),
 }
 
 
-def megabit(bandwidth: str) -> float:
-    number, unit = bandwidth[:-4], bandwidth[-4:]
-    return float(number) * {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}[unit]
+@functools.cache
+def shipped(strategy: str) -> dict:
+    """The strategy's own keys as its config file ships them."""
+    settings_ = config.compose_config([f"strategy={strategy}"]).strategy
+    return {key: settings_[key] for key in strategies.module(strategy).KEYS}
+
+
+def variant(cfg) -> tuple[str, ...]:
+    """The strategy's own keys that differ from how it ships, as overrides."""
+    ships = shipped(cfg.strategy.name.value)
+    return tuple(
+        f"strategy.{key}={str(cfg.strategy[key]).lower()}"
+        for key in ships
+        if cfg.strategy[key] != ships[key]
+    )
+
+
+def label(run_variant: tuple[str, ...]) -> str:
+    return ", ".join(v.removeprefix("strategy.") for v in run_variant) or SHIPPED
 
 
 def load(run_dir: Path) -> dict:
     metrics = json.loads((run_dir / "metrics.json").read_text())
     network = json.loads((run_dir / "network.json").read_text())
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg = config.load(run_dir / "config.yaml")
     timed = [h["images_per_sec"] for h in metrics["history"][1:]]
     return metrics | {
         "network": network,
-        "num_ps": config["strategy"]["num_ps"],
-        "fp16_allreduce": config["strategy"]["fp16_allreduce"],
+        "cfg": cfg,
+        "variant": variant(cfg),
         "rate": sum(timed) / len(timed),  # the epochs whose bytes were counted
     }
 
 
 def settings(runs: list[dict]) -> dict[tuple, list[dict]]:
-    """(strategy, workers, bandwidth) -> its seeds' runs."""
+    """(strategy, workers, bandwidth, variant) -> its seeds' runs."""
     grouped: dict[tuple, list[dict]] = {}
     for run in runs:
-        key = (run["strategy"], run["num_workers"], run["network"]["bandwidth"])
+        key = (run["strategy"], run["num_workers"], run["network"]["bandwidth"], run["variant"])
         grouped.setdefault(key, []).append(run)
     return grouped
 
 
-def model_inputs(run: dict) -> tuple[float, float]:
-    gradients = costmodel.gradient_bytes(run["trainable_parameters"], run["fp16_allreduce"])
-    return gradients, costmodel.variable_bytes(run["parameters"])
+def rate_class(bandwidth: str) -> str:
+    return "unshaped" if bandwidth == UNSHAPED else "shaped"
 
 
-def prediction(run: dict, unshaped: list[dict]) -> tuple[float, float, float]:
+def grid_rates(grouped: dict[tuple, list[dict]]) -> set[str]:
+    """Where the grid runs: the lowest shaped rate, and unshaped."""
+    shaped = [k[2] for k in grouped if k[2] != UNSHAPED]
+    return {min(shaped, key=megabit), UNSHAPED} if shaped else {UNSHAPED}
+
+
+def winners(runs: list[dict]) -> dict[str, list[str]]:
+    """Each strategy's (and worker count's) fastest setting at the grid's
+    rates: {"horovod/2/shaped": overrides, "horovod/2/unshaped": ...}."""
+    grouped = settings(runs)
+    best: dict[str, tuple[float, tuple]] = {}
+    for (strategy, workers, bandwidth, run_variant), group in grouped.items():
+        if bandwidth in grid_rates(grouped):
+            key = f"{strategy}/{workers}/{rate_class(bandwidth)}"
+            rate = stats.mean_interval([r["rate"] for r in group]).estimate
+            if key not in best or rate > best[key][0]:
+                best[key] = (rate, run_variant)
+    return {key: list(run_variant) for key, (_, run_variant) in sorted(best.items())}
+
+
+def prediction(group: list[dict], unshaped: list[dict]) -> tuple[float, float, float]:
     """(img/s, communication s per step, compute s per step) the cost model
-    gives for run's link rate, from its strategy's unshaped runs: their time
-    per step (the compute time) and, when traced by Horovod, how spread out
-    its gradients become ready."""
+    gives for a setting at its link rate, from its strategy's unshaped runs
+    of the same setting: their time per step (the compute time) and, when
+    traced by Horovod, how spread out its gradients become ready."""
+    run = group[0]
     module = strategies.module(run["strategy"])
     compute_s = (
         run["global_batch_size"] / stats.mean_interval([r["rate"] for r in unshaped]).estimate
@@ -87,16 +129,9 @@ def prediction(run: dict, unshaped: list[dict]) -> tuple[float, float, float]:
     overlap = costmodel.overlap(
         module.BACKWARD_OVERLAP, sum(ready) / len(ready) if ready else None, compute_s
     )
-    link = run["network"]["link_bytes_per_s"]
-    setting = costmodel.Setting(
-        workers=run["num_workers"],
-        workers_per_host=1,
-        num_ps=max(1, run["num_ps"]),
-        global_batch=run["global_batch_size"],
-        compute_s=compute_s,
-    )
+    link = sum(r["network"]["link_bytes_per_s"] for r in group) / len(group)
     links = costmodel.Links(hosts=link, devices=link, worker_ps=link, ps=link)
-    gradients, variables = model_inputs(run)
+    setting, gradients, variables = model_inputs(run["cfg"], run, compute_s)
     step_s = costmodel.step_time(module.EXCHANGE, overlap, setting, links, gradients, variables)
     idle = dataclasses.replace(setting, compute_s=0.0)
     communication = costmodel.step_time(module.EXCHANGE, 0.0, idle, links, gradients, variables)
@@ -108,25 +143,26 @@ def curves(grouped: dict[tuple, list[dict]]) -> list[dict]:
     predicted img/s and its error, communication share."""
     rows = []
     shaped = [key for key in grouped if key[2] != UNSHAPED]
-    for strategy, workers, bandwidth in sorted(shaped, key=lambda k: (k[0], k[1], megabit(k[2]))):
-        group = grouped[(strategy, workers, bandwidth)]
-        unshaped = grouped.get((strategy, workers, UNSHAPED))
+    for key in sorted(shaped, key=lambda k: (k[0], k[1], k[3], megabit(k[2]))):
+        strategy, workers, bandwidth, run_variant = key
+        group = grouped[key]
         measured = stats.mean_interval([r["rate"] for r in group])
         row = {
             "strategy": strategy,
             "workers": workers,
             "bandwidth": bandwidth,
+            "variant": run_variant,
             "mbit": megabit(bandwidth),
             "link_mbyte_s": sum(r["network"]["link_bytes_per_s"] for r in group) / len(group) / 1e6,
             "images_per_sec": measured.estimate,
             "ci95": [measured.low, measured.high],
+            "rates": [r["rate"] for r in group],
             "seeds": len(group),
             "communication_share": share(group),
         }
+        unshaped = grouped.get((strategy, workers, UNSHAPED, run_variant))
         if unshaped:
-            predicted = [prediction(r, unshaped) for r in group]
-            rate = sum(p[0] for p in predicted) / len(predicted)
-            _, communication, compute_s = predicted[0]
+            rate, communication, compute_s = prediction(group, unshaped)
             row |= {
                 "predicted": rate,
                 "error": (rate - measured.estimate) / measured.estimate,
@@ -142,6 +178,18 @@ def share(group: list[dict]) -> float | None:
     found = [r.get("allreduce_share", r.get("ps_wait_share")) for r in group]
     found = [f for f in found if f is not None]
     return sum(found) / len(found) if found else None
+
+
+def curve_of(rows: list[dict], picked: dict[tuple, tuple] | None) -> list[dict]:
+    """The rows of each strategy's curve: as shipped (picked None), or the
+    setting picked for each (strategy, workers, rate class)."""
+    if picked is None:
+        return [r for r in rows if not r["variant"]]
+    return [
+        r
+        for r in rows
+        if picked.get((r["strategy"], r["workers"], rate_class(r["bandwidth"]))) == r["variant"]
+    ]
 
 
 def crossings(rows: list[dict]) -> list[str]:
@@ -177,18 +225,48 @@ def crossings(rows: list[dict]) -> list[str]:
     return sentences
 
 
+def verdicts(shipped_rows: list[dict], best_rows: list[dict]) -> list[str]:
+    """At each rate, each compared pair best against best, with the 95 %
+    interval of its img/s ratio, and how far that moved from as shipped."""
+    sentences = []
+    by = {
+        kind: {(r["workers"], r["bandwidth"], r["strategy"]): r for r in rows}
+        for kind, rows in (("shipped", shipped_rows), ("best", best_rows))
+    }
+    for (workers, bandwidth, a), row in sorted(by["best"].items(), key=lambda i: megabit(i[0][1])):
+        for first, second in strategies.COMPARED:
+            other = by["best"].get((workers, bandwidth, second))
+            if first != a or other is None:
+                continue
+            ratio = stats.ratio_interval(row["rates"], other["rates"])
+            said = stats.ratio_sentence(
+                first, second, ratio, "img/s", "is {} faster than", "is {} slower than"
+            )
+            before = [by["shipped"].get((workers, bandwidth, s)) for s in (first, second)]
+            moved = ""
+            if all(before):
+                was = before[0]["images_per_sec"] / before[1]["images_per_sec"]
+                moved = (
+                    f" As shipped {first}/{second} was {was:.2f}x; "
+                    f"best against best {ratio.estimate:.2f}x."
+                )
+            sentences.append(f"At {bandwidth}, best against best: {said}{moved}")
+    return sentences
+
+
 def bytes_rows(runs: list[dict]) -> list[list[str]]:
-    """Per strategy and link: measured bytes per step (mean over shaped runs)
-    beside the expected, each way."""
+    """Per strategy, setting and link: measured bytes per step (mean over the
+    shaped runs) beside the expected, each way, and R as measured."""
     rows = []
-    for strategy in strategies.REGISTRY:
-        shaped = [
-            r for r in runs if r["strategy"] == strategy and r["network"]["bandwidth"] != UNSHAPED
-        ]
-        if not shaped:
-            continue
+    keyed: dict[tuple, list[dict]] = {}
+    for run in runs:
+        if run["network"]["bandwidth"] != UNSHAPED:
+            keyed.setdefault((run["strategy"], run["variant"]), []).append(run)
+    for (strategy, run_variant), shaped in sorted(keyed.items()):
+        reads = [r["network"].get("reads_per_update") for r in shaped]
+        reads = [r for r in reads if r is not None]
         for role in shaped[0]["network"]["expected"]:
-            cells = [strategy, role]
+            cells = [strategy, label(run_variant), role]
             for way in ("sent", "received"):
                 measured = sum(r["network"]["measured"][role][way] for r in shaped) / len(shaped)
                 expected = shaped[0]["network"]["expected"][role][way]
@@ -197,7 +275,7 @@ def bytes_rows(runs: list[dict]) -> list[list[str]]:
                     f"{expected / 1e6:.3f}",
                     f"{measured / expected:.2f}",
                 ]
-            rows.append(cells)
+            rows.append([*cells, f"{sum(reads) / len(reads):.2f}" if reads else "-"])
     return rows
 
 
@@ -208,9 +286,14 @@ def half_widths(row: dict) -> tuple[float, float]:
     return row["images_per_sec"] - low, high - row["images_per_sec"]
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(curve_rows: dict[str, list[dict]], path: Path) -> None:
+    """Each strategy's curves (as shipped solid, at its best dotted), the
+    cost model's dashed."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for index, strategy in enumerate(strategies.REGISTRY):
+    styles = {SHIPPED: "-", "at its best": ":"}
+    for (kind, rows), (index, strategy) in itertools.product(
+        curve_rows.items(), enumerate(strategies.REGISTRY)
+    ):
         mine = [r for r in rows if r["strategy"] == strategy]
         if not mine:
             continue
@@ -218,15 +301,24 @@ def plot(rows: list[dict], path: Path) -> None:
         x = [r["mbit"] for r in mine]
         y = [r["images_per_sec"] for r in mine]
         spread = list(zip(*map(half_widths, mine), strict=True))
-        ax.errorbar(x, y, yerr=spread, marker="o", capsize=3, color=color, label=strategy)
+        ax.errorbar(
+            x,
+            y,
+            yerr=spread,
+            marker="o",
+            capsize=3,
+            color=color,
+            linestyle=styles[kind],
+            label=f"{strategy}, {kind}",
+        )
         predicted = [r.get("predicted") for r in mine]
         if all(p is not None for p in predicted):
-            ax.plot(x, predicted, linestyle="--", color=color, alpha=0.7)
+            ax.plot(x, predicted, linestyle="--", color=color, alpha=0.4, linewidth=1)
     ax.set_xscale("log")
     ax.set_xlabel("each host's link (Mbit/s, tc tbf)")
     ax.set_ylabel("images/s (timed epochs after the first)")
-    ax.set_title("Throughput against bandwidth (dashed: cost model)")
-    ax.legend()
+    ax.set_title("Throughput against bandwidth (thin dashed: cost model)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -240,44 +332,107 @@ def fmt(value: float | None, form: str) -> str:
     )
 
 
-def write(out_dir: Path, runs: list[dict]) -> None:
+def curve_table(rows: list[dict]) -> str:
+    return markdown_table(
+        [
+            [
+                r["strategy"],
+                label(r["variant"]),
+                str(r["workers"]),
+                r["bandwidth"],
+                f"{r['link_mbyte_s']:.2f}",
+                str(r["seeds"]),
+                f"{r['images_per_sec']:.1f} ({' to '.join(fmt(x, '{:.1f}') for x in r['ci95'])})",
+                fmt(r.get("predicted"), "{:.1f}"),
+                fmt(r.get("error"), "{:+.0%}"),
+                {True: "communication", False: "compute", None: "-"}[r.get("communication_bound")],
+                fmt(r["communication_share"], "{:.0%}"),
+            ]
+            for r in rows
+        ],
+        (
+            "strategy",
+            "setting",
+            "workers",
+            "link",
+            "MB/s measured",
+            "seeds",
+            "img/s (95 % CI)",
+            "predicted",
+            "error",
+            "regime",
+            "communicating",
+        ),
+    )
+
+
+def model_check(rows: list[dict]) -> list[str]:
+    bound = [abs(r["error"]) for r in rows if r.get("communication_bound")]
+    others = [abs(r["error"]) for r in rows if r.get("communication_bound") is False]
+    lines = []
+    for name, errors in (("Communication", bound), ("Compute", others)):
+        if errors:
+            lines.append(
+                f"{name}-bound settings: mean |error| {sum(errors) / len(errors):.0%}, "
+                f"largest {max(errors):.0%} ({len(errors)} settings)."
+            )
+    return lines
+
+
+def grid_section(grouped: dict[tuple, list[dict]], picked: dict[tuple, tuple]) -> list[str]:
+    """Each strategy's settings at the grid's rates (one seed), the winners marked."""
+    rows = []
+    for (strategy, workers, bandwidth, run_variant), group in sorted(grouped.items()):
+        if bandwidth not in grid_rates(grouped):
+            continue
+        winner = picked.get((strategy, workers, rate_class(bandwidth)))
+        rate = stats.mean_interval([r["rate"] for r in group]).estimate
+        mark = "winner" if winner == run_variant else ""
+        cells = [strategy, str(workers), bandwidth, label(run_variant), str(len(group))]
+        rows.append([*cells, f"{rate:.1f}", mark])
+    return [
+        "## Each strategy's settings, and what won",
+        "",
+        "The settings a user of each strategy would try (`--config grid=...`), one seed "
+        "each (as shipped: every seed) at the grid's shaped rate and unshaped, by mean img/s; "
+        "the winner at each is then trained with every seed at every shaped rate (the "
+        "shaped winner) or unshaped.",
+        "",
+        markdown_table(rows, ("strategy", "workers", "link", "setting", "seeds", "img/s", "")),
+        "",
+    ]
+
+
+def write(out_dir: Path, runs: list[dict], best: dict[str, list[str]] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     grouped = settings(runs)
     rows = curves(grouped)
-    plot(rows, out_dir / "throughput.png")
+    picked = None
+    if best is not None:
+        picked = {}
+        for key, overrides in best.items():
+            strategy, workers, kind = key.split("/")
+            picked[(strategy, int(workers), kind)] = tuple(overrides)
+    curve_rows = {SHIPPED: curve_of(rows, None)}
+    if picked is not None:
+        curve_rows["at its best"] = curve_of(rows, picked)
+    plot(curve_rows, out_dir / "throughput.png")
     first = runs[0]
-    gradients, variables = model_inputs(first)
-    curve_table = [
-        [
-            r["strategy"],
-            str(r["workers"]),
-            r["bandwidth"],
-            f"{r['link_mbyte_s']:.2f}",
-            str(r["seeds"]),
-            f"{r['images_per_sec']:.1f} ({' to '.join(fmt(x, '{:.1f}') for x in r['ci95'])})",
-            fmt(r.get("predicted"), "{:.1f}"),
-            fmt(r.get("error"), "{:+.0%}"),
-            {True: "communication", False: "compute", None: "-"}[r.get("communication_bound")],
-            fmt(r["communication_share"], "{:.0%}"),
-        ]
-        for r in rows
-    ]
+    setting, gradients, variables = model_inputs(first["cfg"], first)
     unshaped = [
-        [k[0], str(k[1]), f"{stats.mean_interval([r['rate'] for r in g]).estimate:.1f}"]
+        [
+            k[0],
+            label(k[3]),
+            str(k[1]),
+            f"{stats.mean_interval([r['rate'] for r in g]).estimate:.1f}",
+        ]
         for k, g in sorted(grouped.items())
         if k[2] == UNSHAPED
     ]
-    bound = [abs(r["error"]) for r in rows if r.get("communication_bound")]
-    others = [abs(r["error"]) for r in rows if r.get("communication_bound") is False]
-    check = [
-        f"Communication-bound runs: mean |error| {sum(bound) / len(bound):.0%}, "
-        f"largest {max(bound):.0%} ({len(bound)} settings)."
-        if bound
-        else "No setting is communication-bound.",
-        f"Compute-bound runs: mean |error| {sum(others) / len(others):.0%}, "
-        f"largest {max(others):.0%} ({len(others)} settings)."
-        if others
-        else "",
+    layouts = [
+        f"- {name}, {SHIPPED}: "
+        + (", ".join(f"{k}={v}" for k, v in shipped(name).items()) or "no settings of its own")
+        for name in strategies.REGISTRY
     ]
     text = [
         "# The interconnect: throughput against link bandwidth",
@@ -285,64 +440,86 @@ def write(out_dir: Path, runs: list[dict]) -> None:
         f"{first['model']} ({first['parameters']:,} parameters, {first['trainable_parameters']:,} "
         f"trainable): {gradients / 1e6:.3f} MB of gradients and {variables / 1e6:.3f} MB of "
         f"variables per update; global batch {first['global_batch_size']}, {first['dataset']}. "
-        "Each worker, and the parameter server's ps tasks, on a host of its own; every host's "
-        "link shaped both ways with `tc tbf`; img/s over the timed epochs after the first.",
+        "Each worker on a host of its own, the launcher and the parameter server's "
+        "coordinator on another; every host's link shaped both ways with `tc tbf`; img/s "
+        "over the timed epochs after the first.",
+        "",
+        "The settings compared (a ps task on a host of its own is `ps_placement=separate`; "
+        "one beside each worker `colocated`):",
+        "",
+        *layouts,
         "",
         "![throughput](throughput.png)",
         "",
-        "## Where the strategies cross",
-        "",
-        *crossings(rows),
-        "",
+    ]
+    if picked is not None:
+        text += grid_section(grouped, picked)
+        text += [
+            "## Best against best",
+            "",
+            *[f"- {s}" for s in verdicts(curve_rows[SHIPPED], curve_rows["at its best"])],
+            "",
+        ]
+    for kind, kind_rows in curve_rows.items():
+        text += [f"## Where the strategies cross, {kind}", "", *crossings(kind_rows), ""]
+    text += [
         "## Throughput and the cost model",
         "",
-        "Predicted: `distrepro.costmodel` from the unshaped runs' time per step (the compute "
-        "time), the measured link rate and the model's bytes; nothing fitted. Regime: by the "
-        "model, communication time per step against compute. Communicating: the traced "
-        "updates' share in all-reduce (or, parameter server, workers waiting).",
+        "Predicted: `distrepro.costmodel` from the same setting's unshaped runs' time per step "
+        "(the compute time), the measured link rate, the model's bytes and each ps task's "
+        "share; nothing fitted. Regime: by the model, communication time per step against "
+        "compute. Communicating: the traced updates' share in all-reduce (or, parameter "
+        "server, workers waiting).",
         "",
-        markdown_table(
-            curve_table,
-            (
-                "strategy",
-                "workers",
-                "link",
-                "MB/s measured",
-                "seeds",
-                "img/s (95 % CI)",
-                "predicted",
-                "error",
-                "regime",
-                "communicating",
-            ),
-        ),
+        curve_table(rows),
         "",
-        *[line for line in check if line],
+        *model_check(rows),
         "",
         "Unshaped (the compute time's source):",
         "",
-        markdown_table(unshaped, ("strategy", "workers", "img/s")),
+        markdown_table(unshaped, ("strategy", "setting", "workers", "img/s")),
         "",
         "## Bytes per step on each link",
         "",
         "MB per step (one global batch), mean over the shaped runs, from the interface "
-        "counters over the timed epochs; expected from the model's size (`distrepro.costmodel`).",
+        "counters over the timed epochs; expected from the model's size (`distrepro.costmodel`). "
+        "A colocated parameter server's worker link carries its ps task's traffic too.",
         "",
         markdown_table(
             bytes_rows(runs),
-            ("strategy", "link", "sent", "expected", "ratio", "received", "expected", "ratio"),
+            (
+                "strategy",
+                "setting",
+                "link",
+                "sent",
+                "expected",
+                "ratio",
+                "received",
+                "expected",
+                "ratio",
+                "R",
+            ),
         ),
         "",
         *[f"- {why}" for why in WHY_BYTES.values()],
         "",
     ]
     (out_dir / "report.md").write_text("\n".join(text))
-    write_json_atomically(out_dir / "network.json", {"settings": rows})
+    summary = [{k: v for k, v in r.items() if k != "rates"} for r in rows]
+    write_json_atomically(out_dir / "network.json", {"settings": summary, "winners": best})
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["winners"]:
+        out, *run_dirs = argv[1:]
+        write_json_atomically(Path(out), winners([load(Path(d)) for d in run_dirs]))
+        print(Path(out).read_text())
+        return
+    best = None
+    if argv[:1] == ["--winners"]:
+        best, argv = json.loads(Path(argv[1]).read_text()), argv[2:]
     out_dir, *run_dirs = argv
-    write(Path(out_dir), [load(Path(d)) for d in run_dirs])
+    write(Path(out_dir), [load(Path(d)) for d in run_dirs], best)
     print((Path(out_dir) / "report.md").read_text())
 
 

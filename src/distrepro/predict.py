@@ -25,7 +25,6 @@ def setting(cfg: DictConfig) -> costmodel.Setting:
     return costmodel.Setting(
         workers=workers,
         workers_per_host=hardware.workers_per_host,
-        num_ps=max(1, cfg.strategy.num_ps),
         global_batch=cfg.train.global_batch_size,
         compute_s=per_worker / hardware.device_img_s,
     )

@@ -1,10 +1,11 @@
+import functools
 import hashlib
 import itertools
+import json
 import os
 import shlex
 from pathlib import Path
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from snakemake.exceptions import WorkflowError
 
 from distrepro.config import (
@@ -13,9 +14,10 @@ from distrepro.config import (
     memory_mb,
     run_name,
     setting_name,
+    sweep_axes,
 )
 from distrepro.launch import ConfigError, describe, validate_values
-from distrepro.network import UNSHAPED, layout, refusal
+from distrepro.network import UNSHAPED, layout, megabit, refusal, variants
 from distrepro.slurm import nodes_for
 from distrepro.strategies import REGISTRY
 
@@ -41,16 +43,8 @@ def group_id(*parts):
 def sweep_points():
     """Hydra's sweep grammar, several keys -> their product; every strategy
     and every seed unless the sweep names them."""
-    parsed = OverridesParser.create().parse_overrides(shlex.split(config["sweep"]))
-    axes = [
-        (
-            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-            if o.is_sweep_override()
-            else [f"{o.get_key_element()}={o.get_value_element_as_str()}"]
-        )
-        for o in parsed
-    ]
-    named = {o.get_key_element() for o in parsed}
+    axes = sweep_axes(config["sweep"])
+    named = {axis[0].split("=")[0] for axis in axes}
     if "strategy" not in named:
         axes.append([f"strategy={s}" for s in STRATEGIES])
     if "seed" not in named:
@@ -90,28 +84,65 @@ def scaling_points():
     return points
 
 
+BANDWIDTHS = [b for b in config["bandwidths"].split(",") if b]
+# The grid's shaped rate: the lowest (variants=best).
+GRID_BANDWIDTH = min(BANDWIDTHS, key=megabit) if BANDWIDTHS else None
+
+
+def network_point(strategy, workers, bandwidth, seed, variant=()):
+    """A run of the network target: traced, for the share of time communicating."""
+    return base_overrides() + [
+        f"strategy={strategy}",
+        f"strategy.num_workers={workers}",
+        f"strategy.hosts='{layout(workers)}'",
+        *variant,
+        f"network.bandwidth={bandwidth}",
+        "train.profile=true",
+        f"seed={seed}",
+    ]
+
+
+def network_workers(strategy):
+    """The worker counts of `workers`, else the configured one."""
+    base = compose_config(base_overrides() + [f"strategy={strategy}"])
+    return WORKER_COUNTS or [base.strategy.num_workers]
+
+
 def network_points():
-    """Each strategy at each of `bandwidths` and unshaped (the compute time the
-    cost model starts from), at each worker count of `workers` (else the
-    configured one), every seed; traced, for the share of time communicating."""
-    bandwidths = [b for b in config["bandwidths"].split(",") if b] + [UNSHAPED]
+    """Each strategy as it ships at each of `bandwidths` and unshaped (the
+    compute time the cost model starts from), at each worker count, every
+    seed; with variants=best also each strategy's grid at the grid's rate and
+    unshaped, one seed."""
     points = []
     for strategy in STRATEGIES:
-        base = compose_config(base_overrides() + [f"strategy={strategy}"])
-        for workers, bandwidth, seed in itertools.product(
-            WORKER_COUNTS or [base.strategy.num_workers], bandwidths, SEEDS
-        ):
-            points.append(
-                base_overrides()
-                + [
-                    f"strategy={strategy}",
-                    f"strategy.num_workers={workers}",
-                    f"strategy.hosts='{layout(workers)}'",
-                    f"network.bandwidth={bandwidth}",
-                    "train.profile=true",
-                    f"seed={seed}",
+        for workers in network_workers(strategy):
+            points += [
+                network_point(strategy, workers, bandwidth, seed)
+                for bandwidth in [*BANDWIDTHS, UNSHAPED]
+                for seed in SEEDS
+            ]
+            if config["variants"] == "best":
+                points += [
+                    network_point(strategy, workers, bandwidth, SEEDS[0], variant)
+                    for variant in variants(strategy, config["grid"])
+                    for bandwidth in (GRID_BANDWIDTH, UNSHAPED)
                 ]
-            )
+    return points
+
+
+def best_points(best_json):
+    """Each strategy's winners (results/network/<id>/best.json): the grid's
+    shaped winner at every shaped rate, its unshaped winner unshaped, every
+    seed."""
+    points = []
+    for key, variant in json.loads(Path(best_json).read_text()).items():
+        strategy, workers, shaped = key.split("/")
+        rates = BANDWIDTHS if shaped == "shaped" else [UNSHAPED]
+        points += [
+            network_point(strategy, int(workers), bandwidth, seed, variant)
+            for bandwidth in rates
+            for seed in SEEDS
+        ]
     return points
 
 
@@ -125,61 +156,79 @@ NETWORK_ID = group_id(
     config["workers"],
     config["bandwidths"],
     SEEDS,
+    config["variants"],
+    config["grid"] if config["variants"] == "best" else "",
 )
-# The runs of each group, by the results/ folder of its report. A run in
-# several groups (with --config sweep or workers, reproduce's runs may be
-# points too) is trained once, under the MLflow parent of the first group:
-# the one the user asked for by giving its config. (Started again under
-# another, a finished run is left as it is.)
-GROUPS = {
-    f"sweeps/{SWEEP_ID}": sweep_points() if config["sweep"] else [],
-    f"scaling/{SCALING_ID}": scaling_points() if WORKER_COUNTS else [],
-    f"network/{NETWORK_ID}": network_points(),
-    "reproduce": [
+NETWORK_SCOPE = f"network/{NETWORK_ID}"
+RUNS = {}  # run -> (overrides, config), the first group's overrides for a shared run
+GROUP_RUNS = {}  # the runs of each group, by the results/ folder of its report
+
+
+def add_group(scope, points):
+    """Compose and validate a group's points (added to the group's runs); a
+    run in several groups (with --config sweep or workers, reproduce's runs
+    may be points too) is trained once, under the MLflow parent of the first
+    group: the one the user asked for by giving its config. (Started again
+    under another, a finished run is left as it is.) The group's runs."""
+    configs = compose_many(points)
+    for overrides, cfg in zip(points, configs):
+        try:
+            validate_values(cfg)
+        except ConfigError as error:
+            raise WorkflowError(
+                f"{error} (overrides: {shlex.join(overrides)})"
+            ) from None
+        RUNS.setdefault(run_name(cfg), (overrides, cfg))
+    names = [run_name(cfg) for cfg in configs]
+    GROUP_RUNS[scope] = list(dict.fromkeys(GROUP_RUNS.get(scope, []) + names))
+    return list(dict.fromkeys(names))
+
+
+if config["sweep"]:
+    add_group(f"sweeps/{SWEEP_ID}", sweep_points())
+if WORKER_COUNTS:
+    add_group(f"scaling/{SCALING_ID}", scaling_points())
+add_group(
+    "reproduce",
+    [
         base_overrides() + [f"strategy={strategy}", f"seed={seed}"]
         for strategy in STRATEGIES
         for seed in SEEDS
     ],
-}
-ALL_OVERRIDES = [o for group in GROUPS.values() for o in group]
-CONFIGS = compose_many(ALL_OVERRIDES)
-SCOPES = [scope for scope, group in GROUPS.items() for _ in group]
-NETWORK_SCOPE = f"network/{NETWORK_ID}"
-# The network group is always composed, as its target may be asked for; what
-# it cannot run (its traced runs need epochs of 15 updates) stops that target
-# alone, saying why, not every other.
-NETWORK_REFUSED = None
-for scope, overrides, cfg in zip(SCOPES, ALL_OVERRIDES, CONFIGS):
+)
+EXPERIMENT = RUNS[GROUP_RUNS["reproduce"][0]][1].mlflow_experiment
+
+
+@functools.cache
+def network_runs():
+    """The network target's runs, composed only when the target is asked for:
+    what it cannot run (on this machine, or its traced runs' epochs of fewer
+    than 15 updates) stops that target alone, saying why."""
     try:
-        validate_values(cfg)
-    except ConfigError as error:
-        refused = f"{error} (overrides: {shlex.join(overrides)})"
-        if scope != NETWORK_SCOPE:
-            raise WorkflowError(refused) from None
-        NETWORK_REFUSED = NETWORK_REFUSED or refused
-if NETWORK_REFUSED:
-    kept = [i for i, scope in enumerate(SCOPES) if scope != NETWORK_SCOPE]
-    ALL_OVERRIDES = [ALL_OVERRIDES[i] for i in kept]
-    CONFIGS = [CONFIGS[i] for i in kept]
-    GROUPS[NETWORK_SCOPE] = []
-RUNS = {}  # run -> (overrides, config), the first group's overrides for a shared run
-for overrides, cfg in zip(ALL_OVERRIDES, CONFIGS):
-    RUNS.setdefault(run_name(cfg), (overrides, cfg))
-GROUP_RUNS = {}
-for scope, group in GROUPS.items():
-    start = sum(len(runs) for runs in GROUP_RUNS.values())
-    GROUP_RUNS[scope] = [run_name(c) for c in CONFIGS[start : start + len(group)]]
-EXPERIMENT = CONFIGS[-1].mlflow_experiment
+        refused = refusal()
+        if refused:
+            raise WorkflowError(refused)
+        return add_group(NETWORK_SCOPE, network_points())
+    except WorkflowError as error:
+        raise WorkflowError(f"the network target: {error}") from None
 
 
 def run_config(wildcards):
-    return RUNS[wildcards.run][1]
+    return run_entry(wildcards.run)[1]
+
+
+def run_entry(run):
+    """(overrides, config) of a run: of reproduce, a sweep, a scaling, or the
+    network target's (composed on first need)."""
+    if run not in RUNS:
+        network_runs()
+    return RUNS[run]
 
 
 def run_overrides(wildcards):
     """The run's overrides, quoted for the shell, naming its setting's parent run."""
-    quoted = shlex.join(RUNS[wildcards.run][0])
-    return f"{quoted} mlflow_parent_run_id=$(cat {setting_parent_file(wildcards)})"
+    quoted = shlex.join(run_entry(wildcards.run)[0])
+    return f"{quoted} mlflow_parent={setting_parent(wildcards)}"
 
 
 def tfrecords_of(wildcards):
@@ -190,29 +239,27 @@ def train_inputs(wildcards):
     return {
         "tfrecords": tfrecords_of(wildcards),
         "store": "results/mlflow/experiment_id",
-        "parent": setting_parent_file(wildcards),
+        "parent": f"{setting_parent(wildcards)}/parent.json",
     }
 
 
-def setting_parent_file(wildcards):
-    """The MLflow parent of a setting's seeds; a sweep's or a scaling's settings
-    are children of its own parent."""
+def setting_parent(wildcards):
+    """The folder describing the MLflow parent of a setting's seeds
+    (distrepro.parents); a sweep's or a scaling's settings are children of its
+    own parent."""
     scope = next(s for s, runs in GROUP_RUNS.items() if wildcards.run in runs)
     setting = setting_name(run_config(wildcards))
-    return f"results/{scope}/settings/{setting}/parent_run_id"
-
-
-def setting_parent_inputs(wildcards):
-    inputs = ["results/mlflow/experiment_id"]
-    if wildcards.scope != "reproduce":
-        inputs.append(f"results/{wildcards.scope}/parent_run_id")
-    return inputs
+    return f"results/{scope}/settings/{setting}"
 
 
 def outer_parent(wildcards):
-    if wildcards.scope == "reproduce":
-        return ""
-    return f"$(cat results/{wildcards.scope}/parent_run_id)"
+    """A setting's own parent's folder: its group's; none in reproduce."""
+    return "" if wildcards.scope == "reproduce" else f"results/{wildcards.scope}"
+
+
+def outer_parent_spec(wildcards):
+    outer = outer_parent(wildcards)
+    return [f"{outer}/parent.json"] if outer else []
 
 
 def group_kind(wildcards):
@@ -286,7 +333,7 @@ def eval_memory_of(wildcards):
 
 
 def dataset_config(wildcards):
-    return next(c for c in CONFIGS if c.data.name == wildcards.dataset)
+    return next(cfg for _, cfg in RUNS.values() if cfg.data.name == wildcards.dataset)
 
 
 def prepare_threads_of(wildcards):
@@ -314,17 +361,29 @@ def scaling_report(wildcards):
 
 
 def network_report(wildcards):
-    refused = refusal() or NETWORK_REFUSED
-    if refused:
-        raise WorkflowError(f"the network target: {refused}")
+    network_runs()
     return f"results/network/{NETWORK_ID}/report/report.md"
 
 
-NETWORK_RUNS = GROUP_RUNS[NETWORK_SCOPE]
+def grid_inputs(wildcards):
+    return [f"results/runs/{run}/network.json" for run in network_runs()]
 
 
 def network_inputs(wildcards):
-    return [f"results/runs/{run}/network.json" for run in NETWORK_RUNS]
+    """The network target's runs; with variants=best, once the grid's
+    winners are known (the checkpoint network_best), theirs too."""
+    runs = network_runs()
+    if config["variants"] == "best":
+        best = checkpoints.network_best.get(id=wildcards.id).output[0]
+        runs = runs + add_group(NETWORK_SCOPE, best_points(best))
+    return [f"results/runs/{run}/network.json" for run in dict.fromkeys(runs)]
+
+
+def best_file(wildcards):
+    """The grid's winners, for the report (variants=best)."""
+    if config["variants"] != "best":
+        return []
+    return [checkpoints.network_best.get(id=wildcards.id).output[0]]
 
 
 def report_runs(wildcards):

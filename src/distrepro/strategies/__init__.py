@@ -10,6 +10,11 @@ Launcher side (importing no TensorFlow):
     run(cfg, config_path, restarts) -> str | None
                                     start and supervise the processes once;
                                     why they failed, or None
+    KEYS                            its own keys of strategy.* (beside SHARED_KEYS):
+                                    any other set away from its default is refused
+    host_shares(cfg, task_shares) -> tuple
+                                    the model's share held beside each worker's
+                                    host (colocated ps tasks), for the cost model
     EXCHANGE                        "all-reduce" or "parameter server": how the
                                     cost model (costmodel) counts its bytes
     BACKWARD_OVERLAP                the share of the backward pass its
@@ -31,6 +36,16 @@ REGISTRY = {
     "horovod": "distrepro.strategies.horovod",
     "multi_worker_mirrored": "distrepro.strategies.multi_worker_mirrored",
 }
+# The keys of strategy.* that every strategy takes (config.StrategyConfig).
+SHARED_KEYS = (
+    "name",
+    "num_workers",
+    "hosts",
+    "gpus_per_worker",
+    "cores_per_worker",
+    "workers_per_node",
+    "steps_per_call",
+)
 # The seed's "standard TensorFlow distributed training", which every other
 # strategy is compared with; and Horovod against TensorFlow's own all-reduce.
 BASELINE = "parameter_server"

@@ -29,8 +29,10 @@ from omegaconf import DictConfig
 
 from distrepro import hosts, slurm
 from distrepro.config import ConfigError
+from distrepro.handoff import AUTOTUNE_LOG
 from distrepro.processes import Restarts, process_env, start, stop
 from distrepro.strategies.synchronous import (  # noqa: F401  (the interface)
+    host_shares,
     images_per_update,
     processes,
     updates_per_call,
@@ -38,6 +40,16 @@ from distrepro.strategies.synchronous import (  # noqa: F401  (the interface)
 from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.horovod"
+KEYS = (
+    "controller",
+    "fp16_allreduce",
+    "fusion_threshold_mb",
+    "cycle_time_ms",
+    "autotune",
+    "elastic",
+    "min_workers",
+    "commit_every",
+)
 EXCHANGE = "all-reduce"
 BACKWARD_OVERLAP = 1.0  # Horovod reduces each gradient as the backward pass produces it
 DISCOVERY_SCRIPT = "discover_hosts.sh"
@@ -107,6 +119,13 @@ def validate(cfg: DictConfig) -> None:
             f"strategy.gpus_per_worker={strategy.gpus_per_worker}: Horovod uses one GPU per "
             "rank; ask for more ranks (strategy.num_workers) instead"
         )
+    if strategy.fusion_threshold_mb is not None and strategy.fusion_threshold_mb < 0:
+        raise ConfigError(
+            f"strategy.fusion_threshold_mb={strategy.fusion_threshold_mb} must be at least 0 "
+            "(0: no fusion)"
+        )
+    if strategy.cycle_time_ms is not None and strategy.cycle_time_ms <= 0:
+        raise ConfigError(f"strategy.cycle_time_ms={strategy.cycle_time_ms} must be above 0")
     if not strategy.elastic:
         return
     if slurm.in_job_of_several_nodes():
@@ -123,8 +142,11 @@ def validate(cfg: DictConfig) -> None:
             f"strategy.min_workers={strategy.min_workers} must be between 1 and "
             f"strategy.num_workers={strategy.num_workers}"
         )
-    if strategy.commit_every < 1:
-        raise ConfigError(f"strategy.commit_every={strategy.commit_every} must be at least 1")
+    if strategy.commit_every < 1 or strategy.commit_every % strategy.steps_per_call:
+        raise ConfigError(
+            f"strategy.commit_every={strategy.commit_every} must be a multiple of "
+            f"strategy.steps_per_call={strategy.steps_per_call}: a commit falls between calls"
+        )
 
 
 def describe(cfg: DictConfig) -> str:
@@ -136,13 +158,27 @@ def describe(cfg: DictConfig) -> str:
     return shlex.join(["horovodrun", *options, "python", "-m", MODULE])
 
 
+def tuning_env(cfg: DictConfig, run_dir: Path) -> dict[str, str]:
+    """strategy.fusion_threshold_mb, cycle_time_ms and autotune as the
+    variables that horovodrun's flags set and every rank reads."""
+    strategy, env = cfg.strategy, {}
+    if strategy.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(strategy.fusion_threshold_mb * 2**20))
+    if strategy.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = str(strategy.cycle_time_ms)
+    if strategy.autotune:
+        env |= {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(run_dir / AUTOTUNE_LOG)}
+    return env
+
+
 def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
     """Run the job once; return why it failed, or None."""
     if cfg.strategy.elastic:
         write_discovery_script(cfg, config_path.parent)
     if slurm.in_job_of_several_nodes():
         return run_step(cfg, config_path)
-    proc = start(command(cfg, config_path), process_env(cfg))
+    env = process_env(cfg) | tuning_env(cfg, config_path.parent)
+    proc = start(command(cfg, config_path), env)
     try:
         code = proc.wait()
     finally:
@@ -156,7 +192,8 @@ def run_step(cfg: DictConfig, config_path: Path) -> str | None:
     program = [sys.executable, "-m", MODULE, str(config_path)]
     mpi = cfg.strategy.controller == "mpi"
     with contextlib.ExitStack() as stack:
-        env = process_env(cfg) | ({} if mpi else stack.enter_context(gloo_rendezvous(machines)))
+        env = process_env(cfg) | tuning_env(cfg, config_path.parent)
+        env |= {} if mpi else stack.enter_context(gloo_rendezvous(machines))
         proc = start(slurm.step(machines, program, "horovod", "pmix" if mpi else None), env)
         try:
             code = proc.wait()
@@ -276,6 +313,7 @@ class HorovodDistribution(Distribution):
         self.hvd = hvd
         self.is_chief = hvd.rank() == 0
         self.images_per_update = images_per_update(cfg)
+        self.updates_per_call = updates_per_call(cfg)
         self.shard = {}
 
     def processes_on_host(self) -> int:
@@ -298,12 +336,15 @@ class HorovodDistribution(Distribution):
         )
         self.trainer = trainer
 
-        @tf.function
-        def train_step(images, labels):
-            wrap = lambda tape: hvd.DistributedGradientTape(tape, compression=compression)  # noqa: E731
-            return trainer.step(images, labels, wrap)
+        def wrap(tape):
+            return hvd.DistributedGradientTape(tape, compression=compression)
 
-        self.train_step = train_step
+        @tf.function
+        def train_steps(batches):
+            for _ in tf.range(self.updates_per_call):
+                trainer.step(*next(batches), wrap)
+
+        self.train_steps = train_steps
         if not self.cfg.strategy.elastic:
             hvd.broadcast_variables(trainer.model.variables, root_rank=0)
             self.reshard()
@@ -320,8 +361,8 @@ class HorovodDistribution(Distribution):
         self.shard["validation"] = make_dataset(cfg.data, "validation", per_rank, rank, size)
 
     def run_updates(self, count: int) -> None:
-        for _ in range(count):
-            self.train_step(*next(self.shard["train"]))
+        for _ in range(count // self.updates_per_call):
+            self.train_steps(self.shard["train"])
 
     def count_correct(self):
         return self.hvd.allreduce(
@@ -342,7 +383,9 @@ class HorovodDistribution(Distribution):
 
         timeline = str(files.run_dir / PROFILE_DIR / HOROVOD_TIMELINE)
         start_timeline = lambda seconds: self.hvd.start_timeline(timeline)  # noqa: E731
-        return Profile(self.cfg, files, start_timeline, self.hvd.stop_timeline)
+        return Profile(
+            self.cfg, files, start_timeline, self.hvd.stop_timeline, self.updates_per_call
+        )
 
     def train(self, train, track, files) -> list[dict]:
         if not self.cfg.strategy.elastic:

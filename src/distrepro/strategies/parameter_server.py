@@ -34,6 +34,9 @@ from distrepro.processes import Restarts, free_ports, process_env, start, stop
 from distrepro.training.distribution import Distribution, main
 
 MODULE = "distrepro.strategies.parameter_server"
+KEYS = ("num_ps", "ps_placement", "partitioner")
+PLACEMENTS = ("separate", "colocated")
+PARTITIONERS = ("none", "min_size", "fixed")  # TensorFlow's MinSize- and FixedShardsPartitioner
 EXCHANGE = "parameter server"
 BACKWARD_OVERLAP = 0.0  # a worker sends its gradients after its backward pass
 
@@ -42,10 +45,23 @@ def validate(cfg: DictConfig) -> None:
     """strategy.num_ps, and under TF_CONFIG a launcher that is the cluster's
     chief (the coordinator); its other tasks run `parameter_server task` on
     their hosts."""
-    if cfg.strategy.num_ps < 1:
-        raise ConfigError(f"strategy.num_ps={cfg.strategy.num_ps} must be at least 1")
-    if cfg.strategy.elastic:
-        raise ConfigError("strategy.elastic=true is for strategy=horovod")
+    strategy = cfg.strategy
+    if strategy.num_ps < 1:
+        raise ConfigError(f"strategy.num_ps={strategy.num_ps} must be at least 1")
+    if strategy.ps_placement not in PLACEMENTS:
+        raise ConfigError(
+            f"strategy.ps_placement={strategy.ps_placement} must be one of {', '.join(PLACEMENTS)}"
+        )
+    beside = len(worker_hosts(cfg))
+    if strategy.ps_placement == "colocated" and strategy.num_ps not in (1, beside):
+        raise ConfigError(
+            f"strategy.num_ps={strategy.num_ps}: strategy.ps_placement=colocated puts one ps task "
+            f"beside each worker's host, {beside} here"
+        )
+    if strategy.partitioner not in PARTITIONERS:
+        raise ConfigError(
+            f"strategy.partitioner={strategy.partitioner} must be one of {', '.join(PARTITIONERS)}"
+        )
     if "TF_CONFIG" not in os.environ:
         return
     task = json.loads(os.environ["TF_CONFIG"]).get("task", {})
@@ -56,8 +72,21 @@ def validate(cfg: DictConfig) -> None:
         )
 
 
+def worker_hosts(cfg: DictConfig) -> list[str]:
+    """The hosts of the workers, in order (127.0.0.1 without hosts)."""
+    machines = hosts.of_run(cfg) or [("127.0.0.1", cfg.strategy.num_workers)]
+    return [host for host, slots in machines if slots]
+
+
+def ps_tasks(cfg: DictConfig) -> int:
+    """strategy.num_ps, or colocated, one beside each worker's host."""
+    if cfg.strategy.ps_placement == "colocated":
+        return len(worker_hosts(cfg))
+    return cfg.strategy.num_ps
+
+
 def processes(cfg: DictConfig) -> int:
-    return cfg.strategy.num_workers + cfg.strategy.num_ps + 1  # and the coordinator
+    return cfg.strategy.num_workers + ps_tasks(cfg) + 1  # and the coordinator
 
 
 def images_per_update(cfg: DictConfig) -> int:
@@ -70,7 +99,7 @@ def updates_per_call(cfg: DictConfig) -> int:
 
 
 def describe(cfg: DictConfig) -> str:
-    return f"{cfg.strategy.num_ps} ps + {cfg.strategy.num_workers} workers + 1 coordinator"
+    return f"{ps_tasks(cfg)} ps + {cfg.strategy.num_workers} workers + 1 coordinator"
 
 
 def supervise(
@@ -95,13 +124,31 @@ def supervise(
 
 def placement(cfg: DictConfig) -> dict[str, str]:
     """The host of each task ("worker:0", "ps:0"): the workers by the hosts'
-    slots, the ps tasks on the first host (with the coordinator); all on
+    slots; the ps tasks on the first host, with the coordinator
+    (strategy.ps_placement=separate: a host of their own when it has no
+    worker slot), or one beside each worker's host (colocated); all on
     127.0.0.1 without hosts."""
-    n, m = cfg.strategy.num_workers, cfg.strategy.num_ps
+    n = cfg.strategy.num_workers
     machines = hosts.of_run(cfg) or [("127.0.0.1", n)]
     workers = [host for host, slots in machines for _ in range(slots)]
-    first = machines[0][0]
-    return {f"worker:{i}": workers[i] for i in range(n)} | {f"ps:{i}": first for i in range(m)}
+    if cfg.strategy.ps_placement == "colocated":
+        ps = worker_hosts(cfg)
+    else:
+        ps = [machines[0][0]] * cfg.strategy.num_ps
+    return {f"worker:{i}": workers[i] for i in range(n)} | {f"ps:{i}": h for i, h in enumerate(ps)}
+
+
+def host_shares(cfg: DictConfig, task_shares: dict[str, float] | None = None) -> tuple:
+    """The model's share held beside each worker host, in the workers' order,
+    for the cost model: ps tasks colocated with the workers, holding
+    task_shares ("ps:0": 0.5; even when not measured). () for ps tasks on a
+    host of their own."""
+    if cfg.strategy.ps_placement != "colocated":
+        return ()
+    placed, m = placement(cfg), ps_tasks(cfg)
+    task_shares = task_shares or {f"ps:{i}": 1 / m for i in range(m)}
+    beside = [placed[f"worker:{i}"] for i in range(cfg.strategy.num_workers)]
+    return tuple(sum(s for task, s in task_shares.items() if placed[task] == h) for h in beside)
 
 
 def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
@@ -116,22 +163,23 @@ def run(cfg: DictConfig, config_path: Path, restarts: Restarts) -> str | None:
         finally:
             stop([coordinator])
     placed = placement(cfg)
-    ports = dict(zip(placed, free_ports(len(placed)), strict=True))
+    ports = dict(zip([*placed, "chief"], free_ports(len(placed) + 1), strict=True))
     cluster = {
         job: [f"{placed[name]}:{ports[name]}" for name in placed if name.startswith(job)]
         for job in ("worker", "ps")
     }
+    cluster["chief"] = [f"{coordinator_host(cfg)}:{ports['chief']}"]
     devices = devices_of_tasks(placed, cfg.strategy.gpus_per_worker, host_gpus())
     env = {
         **process_env(cfg),
         "DISTREPRO_CLUSTER": json.dumps(cluster),
         "DISTREPRO_DEVICES": json.dumps(devices),
     }
-    on_first = sum(host == placed["ps:0"] for host in placed.values())
-    threads = str(max(1, (os.cpu_count() or 1) // (on_first + 1)))
 
     def start_task(name: str) -> subprocess.Popen:
         job, index = name.split(":")
+        sharing = sum(host == placed[name] for host in placed.values())  # and the coordinator
+        threads = str(max(1, (os.cpu_count() or 1) // (sharing + 1)))
         server = [sys.executable, "-m", MODULE, "task", job, index, threads]
         task_env = {**env, **devices.get(name, {})}
         return start(hosts.command_on(placed[name], server, task_env, name), task_env)
@@ -164,13 +212,57 @@ def task_main(job: str, index: int, threads: int) -> None:
     server.join()
 
 
+def coordinator_host(cfg: DictConfig) -> str:
+    """Where the tasks reach the coordinator, which runs beside the launcher:
+    the first of the run's hosts that is this machine, else its host name.
+    (Left out of the cluster, TF would name it localhost, which a ps task
+    on another host cannot reach when it saves a checkpoint.)"""
+    machines = hosts.of_run(cfg)
+    if not machines:
+        return "127.0.0.1"
+    return next((host for host, _ in machines if hosts.is_local(host)), socket.gethostname())
+
+
 def cluster_resolver():
     import tensorflow as tf
 
     if "TF_CONFIG" in os.environ:
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = tf.train.ClusterSpec(json.loads(os.environ["DISTREPRO_CLUSTER"]))
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="chief", task_id=0, rpc_layer="grpc"
+    )
+
+
+def partitioner(cfg: DictConfig):
+    """TensorFlow's variable partitioner of strategy.partitioner, as its
+    ParameterServerStrategy guide sets it up: min_size splits a variable of
+    more than 256 KiB along its first axis, into at most one shard per ps
+    task; fixed splits every variable into one shard per ps task (fewer
+    where the first axis is shorter)."""
+    import tensorflow as tf
+
+    partitioners, shards = tf.distribute.experimental.partitioners, ps_tasks(cfg)
+    if cfg.strategy.partitioner == "min_size":
+        return partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=shards)
+    if cfg.strategy.partitioner == "fixed":
+        return partitioners.FixedShardsPartitioner(num_shards=shards)
+    return None
+
+
+def ps_shares(variables) -> dict[str, float]:
+    """Each ps task's share of the model's bytes ("ps:0"), as its variables
+    and their shards were placed."""
+    import tensorflow as tf
+
+    held: dict[str, float] = {}
+    for variable in variables:
+        for part in getattr(variable, "variables", [variable]):  # a ShardedVariable's shards
+            spec = tf.DeviceSpec.from_string(part.device)
+            task = f"{spec.job}:{spec.task}"
+            held[task] = held.get(task, 0.0) + part.shape.num_elements() * part.dtype.size
+    total = sum(held.values())
+    return {task: held[task] / total for task in sorted(held)}
 
 
 def task_devices() -> str:
@@ -216,7 +308,9 @@ class Coordinator(Distribution):
         import tensorflow as tf
 
         self.resolver = cluster_resolver()
-        self.strategy = tf.distribute.experimental.ParameterServerStrategy(self.resolver)
+        self.strategy = tf.distribute.experimental.ParameterServerStrategy(
+            self.resolver, variable_partitioner=partitioner(self.cfg)
+        )
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self.strategy)
 
     def scope(self):
@@ -256,11 +350,16 @@ class Coordinator(Distribution):
         return self.trainer.count_correct(self.val_batches)
 
     def params(self, device: str) -> dict:
+        shares = self.figures()["ps_shares"]
         return {
             "steps_per_call": self.updates_per_call,
             "devices": task_devices(),
             "hosts": task_hosts(self.resolver.cluster_spec()),
+            **{f"ps_share.{task}": f"{share:.4f}" for task, share in shares.items()},
         }
+
+    def figures(self) -> dict:
+        return {"num_ps": ps_tasks(self.cfg), "ps_shares": ps_shares(self.trainer.model.variables)}
 
     def profile(self, files):
         """The profiled window (in whole calls): the coordinator's trace, and the

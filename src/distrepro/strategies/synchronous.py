@@ -1,6 +1,6 @@
 """What the synchronous strategies (Horovod, TensorFlow's all-reduce) share on
 the launcher side: one process per worker, every update takes the global
-batch, one update per call."""
+batch, strategy.steps_per_call updates per call of the training step."""
 
 from __future__ import annotations
 
@@ -16,4 +16,9 @@ def images_per_update(cfg: DictConfig) -> int:
 
 
 def updates_per_call(cfg: DictConfig) -> int:
-    return 1
+    return cfg.strategy.steps_per_call
+
+
+def host_shares(cfg: DictConfig, task_shares: dict[str, float] | None = None) -> tuple:
+    """No ps tasks beside the workers."""
+    return ()

@@ -42,8 +42,27 @@ def peak_learning_rate(train, batch_per_update: int) -> float:
     return train.base_learning_rate * batch_per_update / train.base_batch_size
 
 
+class SGD(keras.optimizers.SGD):
+    """SGD with momentum and L2 weight decay of the kernels, as a loss term
+    weight_decay x |w|^2 / 2 would give it (weight_decay x w added to w's
+    gradient, before the momentum), but added in the update, where the
+    variable lives. Under the parameter server that is its ps task: a worker
+    reads each variable once per update, for its forward pass, and never
+    again for the decay."""
+
+    def __init__(self, learning_rate, momentum: float, l2: float):
+        super().__init__(learning_rate, momentum=momentum)
+        self.l2 = l2
+
+    def update_step(self, gradient, variable):
+        if self.l2 and "kernel" in variable.name:
+            gradient = gradient + tf.cast(self.l2, variable.dtype) * variable
+        return super().update_step(gradient, variable)
+
+
 def make_optimizer(cfg, peak: float, updates_per_epoch: int):
-    """SGD with momentum and the warmup-then-decay schedule up to `peak`."""
+    """SGD with momentum, weight decay and the warmup-then-decay schedule up
+    to `peak`."""
     train = cfg.train
     schedule = WarmupDecay(
         peak,
@@ -51,7 +70,7 @@ def make_optimizer(cfg, peak: float, updates_per_epoch: int):
         train.epochs * updates_per_epoch,
         train.lr_decay.value,
     )
-    optimizer = keras.optimizers.SGD(schedule, momentum=train.momentum)
+    optimizer = SGD(schedule, train.momentum, train.weight_decay)
     if cfg.precision.name.value != "mixed_fp16":
         return optimizer
     scale = cfg.precision.loss_scale
@@ -72,33 +91,34 @@ class Trainer:
         self.model, self.optimizer, self.num_classes = model, optimizer, num_classes
         self.summed = summed
         self.label_smoothing = cfg.train.label_smoothing
-        self.weight_decay = cfg.train.weight_decay
         self.scaled = isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
         self.train_loss = keras.metrics.Mean("train_loss")
         self.train_accuracy = keras.metrics.SparseCategoricalAccuracy("train_accuracy")
 
     def loss(self, labels, logits):
+        """The batch's cross-entropy (label-smoothed); the weight decay is the
+        optimizer's (SGD)."""
         onehot = tf.one_hot(labels, self.num_classes)
         per_example = keras.losses.categorical_crossentropy(
             onehot, logits, from_logits=True, label_smoothing=self.label_smoothing
         )
-        decay = tf.add_n(
-            [tf.nn.l2_loss(v) for v in self.model.trainable_variables if "kernel" in v.name]
-        )
-        return tf.reduce_mean(per_example) + self.weight_decay * tf.cast(decay, tf.float32)
+        return tf.reduce_mean(per_example)
 
-    def step(self, images, labels, wrap_tape: Callable = lambda tape: tape):
-        """One update from one batch; wrap_tape lets Horovod average gradients."""
+    def step(self, images, labels, wrap_tape: Callable | None = None):
+        """One update from one batch. wrap_tape (Horovod's, or fp16 all-reduce)
+        gives a tape whose gradients are already reduced over the workers."""
         with tf.GradientTape() as tape:
             logits = self.model(images, training=True)
             loss = self.loss(labels, logits)
             share = loss / self.summed
             scaled = self.optimizer.get_scaled_loss(share) if self.scaled else share
         variables = self.model.trainable_variables
-        gradients = wrap_tape(tape).gradient(scaled, variables)
+        gradients = (wrap_tape(tape) if wrap_tape else tape).gradient(scaled, variables)
         if self.scaled:
             gradients = self.optimizer.get_unscaled_gradients(gradients)
-        self.optimizer.apply_gradients(zip(gradients, variables, strict=True))
+        self.optimizer.apply_gradients(
+            zip(gradients, variables, strict=True), skip_gradients_aggregation=bool(wrap_tape)
+        )
         self.train_loss.update_state(loss)
         self.train_accuracy.update_state(labels, logits)
         return loss
