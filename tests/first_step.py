@@ -2,9 +2,12 @@
 the chief saves the variables before and after it.
 
     horovodrun -np N ... python first_step.py horovod TFRECORD_DIR GLOBAL_BATCH OUT.npz
-    TF_CONFIG=... python first_step.py multi_worker_mirrored TFRECORD_DIR GLOBAL_BATCH OUT.npz
+    TF_CONFIG=... python first_step.py multi_worker_mirrored TFRECORD_DIR BATCH OUT.npz [fp16]
+
+fp16: TensorFlow's all-reduce of the gradients in fp16 (strategy.fp16_allreduce).
 """
 
+import functools
 import json
 import os
 import sys
@@ -31,8 +34,10 @@ def model() -> keras.Model:
     )
 
 
-def main(strategy_name: str, tfrecord_dir: str, global_batch: int, out: str) -> None:
+def main(strategy_name: str, tfrecord_dir: str, global_batch: int, out: str, fp16: bool) -> None:
     import tensorflow as tf
+
+    from distrepro.strategies.multi_worker_mirrored import HalfPrecisionAllReduce
 
     if strategy_name == "horovod":
         import horovod.tensorflow as hvd
@@ -58,9 +63,8 @@ def main(strategy_name: str, tfrecord_dir: str, global_batch: int, out: str) -> 
     if strategy_name == "horovod":
         trainer.step(images[mine], labels[mine], lambda tape: hvd.DistributedGradientTape(tape))
     else:
-        tf.function(lambda x, y: strategy.run(trainer.step, args=(x, y)))(
-            images[mine], labels[mine]
-        )
+        step = functools.partial(trainer.step, wrap_tape=HalfPrecisionAllReduce if fp16 else None)
+        tf.function(lambda x, y: strategy.run(step, args=(x, y)))(images[mine], labels[mine])
     if rank == 0:
         after = [v.numpy() for v in net.trainable_variables]
         np.savez(
@@ -71,4 +75,4 @@ def main(strategy_name: str, tfrecord_dir: str, global_batch: int, out: str) -> 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:] == ["fp16"])

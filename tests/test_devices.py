@@ -103,6 +103,21 @@ def test_xla_and_mpi_reach_every_process_environment():
     assert "TF_XLA_FLAGS" not in process_env(compose_config([]))
 
 
+def test_horovods_tuning_reaches_its_ranks_as_horovods_own_variables(tmp_path):
+    from distrepro.strategies.horovod import tuning_env
+
+    tuned = compose_config(
+        ["strategy.fusion_threshold_mb=32", "strategy.cycle_time_ms=2.5", "strategy.autotune=true"]
+    )
+    assert tuning_env(tuned, tmp_path) == {
+        "HOROVOD_FUSION_THRESHOLD": str(32 * 2**20),
+        "HOROVOD_CYCLE_TIME": "2.5",
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_AUTOTUNE_LOG": str(tmp_path / "horovod_autotune.csv"),
+    }
+    assert tuning_env(compose_config([]), tmp_path) == {}  # Horovod's own defaults
+
+
 def test_a_runs_memory_is_estimated_from_its_processes_data_and_model():
     def memory(*overrides):
         return memory_mb(compose_config(list(overrides)))

@@ -7,13 +7,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import mlflow
 import psutil
 import pytest
-from conftest import REPO
+from conftest import (
+    HOSTS_SH,
+    REPO,
+    SESSION_MARK,
+    netns_names,
+    project_env,
+    skip_without_hosts,
+)
 from omegaconf import OmegaConf
 from test_setup import stand_in
 from test_training import PYTHON, launch_args
@@ -22,28 +31,7 @@ from distrepro import hosts, slurm
 from distrepro.config import compose_config
 from distrepro.launch import ConfigError, validate_nodes, validate_values
 
-HOSTS_SH = str(REPO / "scripts" / "hosts.sh")
 TASK = [PYTHON, "-m", "distrepro.strategies.parameter_server", "task"]
-
-
-def skip_without_hosts() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("two hosts need root: network namespaces (ip netns) and an sshd in each")
-    missing = [tool for tool in ("ip", "ssh", "sshd", "unshare") if not shutil.which(tool)]
-    if missing:
-        pytest.skip(f"two hosts need {', '.join(missing)}: `make test` installs them")
-
-
-@pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory) -> Path:
-    """node1 and node2, removed afterwards with every process left on them."""
-    skip_without_hosts()
-    folder = tmp_path_factory.mktemp("hosts")
-    subprocess.run([HOSTS_SH, "up", folder], check=True)
-    try:
-        yield folder
-    finally:
-        subprocess.run([HOSTS_SH, "down", folder], check=True)
 
 
 def on(folder: Path, host: str, command: list[str]) -> list[str]:
@@ -170,18 +158,49 @@ def test_the_hosts_leave_nothing_behind(tmp_path):
     names = (tmp_path / "namespaces").read_text().split()
     sshd = [int((tmp_path / f"sshd-{host}.pid").read_text()) for host in ("node1", "node2")]
     left = subprocess.Popen(on(tmp_path, "node2", ["sleep", "600"]))
-    assert set(names) <= set(netns_list()) and all(psutil.pid_exists(pid) for pid in sshd)
+    assert set(names) <= set(netns_names()) and all(psutil.pid_exists(pid) for pid in sshd)
     subprocess.run([HOSTS_SH, "down", tmp_path], check=True)
     assert left.wait(timeout=10) != 0
     psutil.wait_procs([psutil.Process(pid) for pid in sshd if psutil.pid_exists(pid)], timeout=10)
     assert not any(psutil.pid_exists(pid) for pid in sshd)
-    assert not set(names) & set(netns_list())
+    assert not set(names) & set(netns_names())
     assert not any(Path("/etc/netns", name).exists() for name in names)
 
 
-def netns_list() -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listing.splitlines()]
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_test_session_leaves_no_cluster_behind(tmp_path, signum):
+    """pytest stopped with SIGTERM (CI's time limit) tears its fixtures down;
+    with SIGKILL, the next session's start removes what it left (its hosts,
+    on which every daemon and client of the cluster runs)."""
+    skip_without_hosts()
+    if not shutil.which("slurmctld"):
+        pytest.skip("a SLURM cluster needs slurmctld: `make test` installs it")
+    held = tmp_path / "held"
+    env = {**project_env(REPO), "DISTREPRO_HELD": str(held)}
+    env.pop(SESSION_MARK)  # a session of its own
+    session = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    inner = subprocess.Popen(
+        [*session, "tests/sessions/hold_the_slurm_cluster.py"], cwd=REPO, env=env
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not held.exists():
+            assert inner.poll() is None and time.monotonic() < deadline, "no cluster held"
+            time.sleep(0.5)
+        cluster = Path(held.read_text())
+        hosts = set((cluster / "hosts" / "namespaces").read_text().split())
+        daemons = [int(p.read_text()) for p in cluster.glob("*.pid")]
+        assert len(daemons) == 4 and all(psutil.pid_exists(pid) for pid in daemons)
+        inner.send_signal(signum)
+        inner.wait(120)
+    finally:
+        inner.kill()
+    if signum == signal.SIGKILL:
+        assert hosts <= set(netns_names())  # left behind, until the next session starts
+        subprocess.run([*session, "--collect-only", "tests/test_stats.py"], cwd=REPO, env=env)
+    assert not hosts & set(netns_names())
+    psutil.wait_procs([psutil.Process(p) for p in daemons if psutil.pid_exists(p)], timeout=10)
+    assert not [pid for pid in daemons if psutil.pid_exists(pid)]
 
 
 @pytest.mark.parametrize(
@@ -297,6 +316,25 @@ def test_a_host_of_no_slots_carries_the_ps_tasks_and_no_worker(tmp_path):
     assert parameter_server.placement(cfg) == {"worker:0": "a", "worker:1": "b", "ps:0": "head"}
     command = horovod.command(compose_config(["strategy=horovod", listed]), tmp_path / "c.yaml")
     assert command[command.index("-H") + 1] == "a:1,b:1"
+
+
+def test_colocated_ps_tasks_sit_beside_each_workers_host_with_their_share():
+    from distrepro.strategies import parameter_server
+
+    listed = "strategy.hosts='head:0,a:1,b:1'"
+    cfg = compose_config(["strategy=parameter_server", listed, "strategy.ps_placement=colocated"])
+    validate_values(cfg)
+    assert parameter_server.placement(cfg) == {
+        "worker:0": "a",
+        "worker:1": "b",
+        "ps:0": "a",
+        "ps:1": "b",
+    }
+    assert parameter_server.processes(cfg) == 2 + 2 + 1
+    assert parameter_server.host_shares(cfg, {"ps:0": 0.7, "ps:1": 0.3}) == (0.7, 0.3)
+    assert parameter_server.host_shares(cfg) == (0.5, 0.5)  # unmeasured: even
+    separate = compose_config(["strategy=parameter_server", listed])
+    assert parameter_server.host_shares(separate, {"ps:0": 1.0}) == ()
 
 
 def test_horovod_in_a_slurm_job_of_several_nodes_describes_its_job_step(slurm_job, monkeypatch):

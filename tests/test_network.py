@@ -5,49 +5,69 @@ on shaped hosts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
+import psutil
 import pytest
-from conftest import REPO, copy_repo, project_env, run
+from conftest import HOSTS_SH, REPO, copy_repo, project_env, run
+from omegaconf import DictConfig
+from PIL import Image
 
 from distrepro import costmodel, network, predict
-from distrepro.config import compose_config
+from distrepro.config import compose_config, load
 from distrepro.strategies import REGISTRY
 
 RESNET50 = 25_557_032  # conf/model/resnet50.yaml
 
 
 def test_bytes_per_step_follow_the_formulas_on_hand_made_numbers():
+    four = costmodel.Setting(workers=4, workers_per_host=1, global_batch=64, compute_s=1.0)
     assert costmodel.ring_bytes(4, 100) == 150  # 2 x 3/4 x 100
-    ring = costmodel.expected_bytes("all-reduce", 4, 1, gradients=100, variables=200)
+    ring = costmodel.expected_bytes("all-reduce", four, gradients=100, variables=200)
     assert ring == {"worker": {"sent": 150, "received": 150}}
-    ps = costmodel.expected_bytes("parameter server", 4, 2, gradients=100, variables=200)
-    # a worker reads the 200 bytes twice; two ps links share four workers' traffic
-    assert ps == {
-        "worker": {"sent": 100, "received": 400},
-        "ps": {"sent": 800, "received": 200},
+    # a worker reads the 200 bytes once; a separate ps host carries all four workers'
+    separate = costmodel.expected_bytes("parameter server", four, gradients=100, variables=200)
+    assert separate == {
+        "worker": {"sent": 100, "received": 200},
+        "ps": {"sent": 800, "received": 400},
     }
+    # colocated, a quarter of the model beside each worker: each host's worker reads
+    # 3/4 of it over the link and its ps serves its quarter to the three others
+    even = dataclasses.replace(four, ps_shares=(0.25,) * 4)
+    colocated = costmodel.expected_bytes("parameter server", even, gradients=100, variables=200)
+    assert colocated == {"worker": {"sent": 75 + 150, "received": 150 + 75}}
+    # with R = 1 and variables = gradients, as many bytes each way as the ring's
+    same = costmodel.expected_bytes("parameter server", even, gradients=100, variables=100)
+    assert same["worker"] == {"sent": 150, "received": 150}
 
 
 def test_step_times_follow_the_formulas_on_hand_made_numbers():
-    one_per_host = costmodel.Setting(
-        workers=4, workers_per_host=1, num_ps=1, global_batch=64, compute_s=1.0
-    )
-    links = costmodel.Links(hosts=150.0, devices=1500.0, worker_ps=500.0, ps=1000.0)
+    one_per_host = costmodel.Setting(workers=4, workers_per_host=1, global_batch=64, compute_s=1.0)
+    links = costmodel.Links(hosts=150.0, devices=1500.0, worker_ps=300.0, ps=1000.0)
     step = costmodel.step_time
     # ring: 150 bytes over a 150 B/s link, after the compute or beside 2/3 of it
     assert step("all-reduce", 0.0, one_per_host, links, 100, 200) == pytest.approx(2.0)
     assert step("all-reduce", 1.0, one_per_host, links, 100, 200) == pytest.approx(4 / 3)
-    one_host = costmodel.Setting(4, 4, 1, 64, 1.0)  # the ring stays on the device links
+    one_host = costmodel.Setting(4, 4, 64, 1.0)  # the ring stays on the device links
     assert step("all-reduce", 0.0, one_host, links, 100, 200) == pytest.approx(1.1)
-    # parameter server: a worker's own 1 + (400 + 100) / 500 = 2 s against the
-    # ps link's 4 x 400 / 1000 = 1.6 s; a slower ps link decides instead
+    # separate ps: a worker's own 1 + (200 + 100) / 300 = 2 s against the ps
+    # link's 4 x 200 / 1000 = 0.8 s; a slower ps link decides instead
     assert step("parameter server", 0.0, one_per_host, links, 100, 200) == pytest.approx(2.0)
-    slow_ps = costmodel.Links(150.0, 1500.0, 500.0, 400.0)
+    slow_ps = dataclasses.replace(links, ps=200.0)
     assert step("parameter server", 0.0, one_per_host, slow_ps, 100, 200) == pytest.approx(4.0)
+    # colocated and even: each host link carries 225 B each way at 150 B/s = 1.5 s,
+    # its worker 1 + 225 / 150 = 2.5 s on its own path
+    even = dataclasses.replace(one_per_host, ps_shares=(0.25,) * 4)
+    assert step("parameter server", 0.0, even, links, 100, 200) == pytest.approx(2.5)
+    # uneven shares: a worker whose host holds none of the model reads and sends
+    # all of it over its link, 1 + 300 / 150 = 3 s (its peers' links carry 350 B)
+    uneven = dataclasses.replace(one_per_host, ps_shares=(0.5, 0.5, 0.0, 0.0))
+    assert step("parameter server", 0.0, uneven, links, 100, 200) == pytest.approx(3.0)
     # img/s: the global batch over the step
     assert 64 / step("parameter server", 0.0, one_per_host, links, 100, 200) == pytest.approx(32.0)
 
@@ -61,8 +81,49 @@ def test_the_bytes_expected_of_resnet50_in_the_seeds_setting():
     ps = network.expected(
         compose_config(["experiment=aws_blog_8gpu", "strategy=parameter_server"]), counts
     )
-    assert ps["worker"] == {"sent": 4 * RESNET50, "received": 2 * 4 * RESNET50}
-    assert ps["ps"]["sent"] == 8 * 2 * 4 * RESNET50  # one ps task carries all eight workers'
+    assert ps["worker"] == {"sent": 4 * RESNET50, "received": 4 * RESNET50}
+    assert ps["ps"]["sent"] == 8 * 4 * RESNET50  # one ps host carries all eight workers'
+
+
+def test_each_strategy_takes_the_keys_of_the_grid_it_has():
+    grid = "strategy.ps_placement=separate,colocated strategy.fp16_allreduce=false,true"
+    assert network.variants("parameter_server", grid) == [
+        ["strategy.ps_placement=separate"],
+        ["strategy.ps_placement=colocated"],
+    ]
+    assert network.variants("horovod", grid) == [
+        ["strategy.fp16_allreduce=False"],
+        ["strategy.fp16_allreduce=True"],
+    ]
+    packed = f"{grid} strategy.bytes_per_pack=0,1"
+    assert len(network.variants("multi_worker_mirrored", packed)) == 4
+
+
+def test_the_winners_are_the_fastest_setting_at_the_grids_rates():
+    from distrepro import network_report
+
+    def run(bandwidth, rate, variant=()):
+        return {
+            "strategy": "parameter_server",
+            "num_workers": 2,
+            "network": {"bandwidth": bandwidth},
+            "variant": variant,
+            "rate": rate,
+        }
+
+    colocated = ("strategy.ps_placement=colocated",)
+    runs = [
+        run("10mbit", 20.0),
+        run("10mbit", 22.0),  # as shipped: two seeds, mean 21
+        run("10mbit", 45.0, colocated),
+        run("100mbit", 300.0),  # not a grid rate: the lowest shaped one is
+        run("unshaped", 600.0),
+        run("unshaped", 550.0, colocated),
+    ]
+    assert network_report.winners(runs) == {
+        "parameter_server/2/shaped": list(colocated),
+        "parameter_server/2/unshaped": [],
+    }
 
 
 class Sampled(network.Counters):
@@ -156,37 +217,141 @@ def namespaces() -> set[str]:
     return {line.split()[0] for line in listing.splitlines()}
 
 
-@pytest.mark.slow
-def test_two_bandwidths_two_workers_measure_the_links_and_check_the_model(tmp_path):
+def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_ones(tmp_path):
+    """kill -9 of `python -m distrepro.network` leaves its hosts (namespaces,
+    sshd); `hosts.sh down --stale`, which each network run starts with,
+    removes them, and leaves the hosts of a live owner (this session's) alone."""
+    skip_without_root()
+    live = tmp_path / "live"
+    subprocess.run([HOSTS_SH, "up", live], check=True)
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "distrepro.network", "network.bandwidth=unshaped"],
+        cwd=tmp_path,
+        env=project_env(REPO),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "links carry" in killed.stdout.readline()  # its hosts are up
+        (left,) = [
+            link.resolve()
+            for link in Path("/run/distrepro-hosts").iterdir()
+            if (link / "owner").read_text().split()[0] == str(killed.pid)
+        ]
+        killed.kill()
+        killed.wait()
+        names = (left / "namespaces").read_text().split()
+        assert set(names) <= namespaces()
+        subprocess.run([HOSTS_SH, "down", "--stale"], check=True)
+        assert not set(names) & namespaces()
+        assert set((live / "namespaces").read_text().split()) <= namespaces()
+        assert psutil.pid_exists(int((live / "sshd-node1.pid").read_text()))
+    finally:
+        killed.kill()
+        subprocess.run([HOSTS_SH, "down", live], check=True)
+
+
+# Each strategy as shipped and one setting of its own, with a different layout
+# (the parameter server's ps tasks beside the workers, sharded) or fp16 gradients.
+GRID = "strategy.ps_placement=colocated strategy.partitioner=fixed strategy.fp16_allreduce=true"
+
+
+@pytest.fixture(scope="module")
+def network_grid(tmp_path_factory) -> Path:
+    """`snakemake network` with variants=best at one shaped rate, one seed,
+    two epochs: each strategy's grid at 50 Mbit/s and unshaped, its winners."""
     skip_without_root()
     before = namespaces()
-    repo = copy_repo(tmp_path / "repo")
-    config = ["bandwidths=50mbit,1gbit", "workers=2", "seeds=1", "overrides=train.epochs=2"]
+    repo = copy_repo(tmp_path_factory.mktemp("network") / "repo")
+    config = ["bandwidths=50mbit", "workers=2", "seeds=1", "variants=best", f"grid={GRID}"]
+    config.append("overrides=train.epochs=2 train.log_model=false")
     run(["snakemake", "--cores", "all", "network", "--config", *config], repo, timeout=1800)
     assert namespaces() == before
-    (report_dir,) = repo.glob("results/network/*/report")
-    report = (report_dir / "report.md").read_text()
-    assert "## Where the strategies cross" in report and "| communication |" in report
-    records = [json.loads(p.read_text()) for p in repo.glob("results/runs/*/network.json")]
-    assert len(records) == len(REGISTRY) * 3  # two bandwidths and unshaped
+    return repo
+
+
+def network_json(repo: Path, metrics: dict) -> dict:
+    return json.loads((repo / "results/runs" / metrics["run_name"] / "network.json").read_text())
+
+
+def network_records(repo: Path) -> list[tuple[dict, DictConfig]]:
+    """Each run's network.json and its config."""
+    return [
+        (json.loads(path.read_text()), load(path.parent / "config.yaml"))
+        for path in repo.glob("results/runs/*/network.json")
+    ]
+
+
+@pytest.mark.slow
+def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(network_grid):
+    repo = network_grid
+    records = network_records(repo)
+    assert len(records) == 2 * 2 * len(REGISTRY)  # as shipped and one setting, 50mbit and unshaped
     # shaped links carry steady traffic; an unshaped epoch is over between two
     # samples of the counters (a quarter second), too short to count on
-    for record in (r for r in records if r["bandwidth"] != "unshaped"):
+    for record, cfg in records:
+        if record["bandwidth"] == "unshaped":
+            continue
         for role, ways in record["expected"].items():
             for way, expected in ways.items():  # headers and framing add, nothing is missing
-                assert 0.95 < record["measured"][role][way] / expected < 1.3, (record, role, way)
+                measured = record["measured"][role][way]
+                assert 0.95 < measured / expected < 1.3, (cfg.strategy, role, way, record)
+        # each variable read once per update; the framing of the gradients a
+        # colocated ps takes in counts as reads, hence the same bound
+        if record["exchange"] == "parameter server":
+            assert 0.9 < record["reads_per_update"] < 1.3, (cfg.strategy, record)
+    shaped = {
+        (cfg.strategy.name.value, cfg.strategy.fp16_allreduce, cfg.strategy.ps_placement): record
+        for record, cfg in records
+        if record["bandwidth"] == "50mbit"
+    }
+    for strategy in ("horovod", "multi_worker_mirrored"):  # fp16 gradients: half the bytes
+        halved = shaped[(strategy, True, "separate")]["measured"]["worker"]["sent"]
+        full = shaped[(strategy, False, "separate")]["measured"]["worker"]["sent"]
+        assert 0.45 < halved / full < 0.6, (strategy, halved, full)
+    # the colocated, sharded ps: every worker's host link carries the same
+    # bytes each way, the separate ps host's link all workers' reads
+    colocated = shaped[("parameter_server", False, "colocated")]
+    assert set(colocated["expected"]) == {"worker"}
+    assert "ps" in shaped[("parameter_server", False, "separate")]["expected"]
     runs = [json.loads(p.read_text()) for p in repo.glob("results/runs/*/metrics.json")]
-    for strategy in REGISTRY:
-        rate = {
-            json.loads((repo / "results/runs" / r["run_name"] / "network.json").read_text())[
-                "bandwidth"
-            ]: r["images_per_sec"]
-            for r in runs
-            if r["strategy"] == strategy
-        }
-        assert rate["50mbit"] < rate["1gbit"], (strategy, rate)
+    bandwidth = {r["run_name"]: network_json(repo, r)["bandwidth"] for r in runs}
+    for strategy in REGISTRY:  # every setting is slower on the shaped link
+        rates = {"50mbit": [], "unshaped": []}
+        for r in (r for r in runs if r["strategy"] == strategy):
+            rates[bandwidth[r["run_name"]]].append(r["images_per_sec"])
+        assert max(rates["50mbit"]) < min(rates["unshaped"]), (strategy, rates)
     for r in runs:  # two epochs train, on every link
         assert r["history"][1]["train_loss"] < r["history"][0]["train_loss"], r["run_name"]
+    ps = [r for r in runs if "ps_shares" in r]
+    assert {len(r["ps_shares"]) for r in ps} == {1, 2} and all(
+        sum(r["ps_shares"].values()) == pytest.approx(1) for r in ps
+    )
+
+
+@pytest.mark.slow
+def test_the_network_report_names_the_winners_and_compares_best_against_best(network_grid):
+    repo = network_grid
+    (report_dir,) = repo.glob("results/network/*/report")
+    report = (report_dir / "report.md").read_text()
+    (best_file,) = repo.glob("results/network/*/best.json")
+    best = json.loads(best_file.read_text())
+    assert sorted(best) == sorted(
+        f"{s}/2/{kind}" for s in REGISTRY for kind in ("shaped", "unshaped")
+    )
+    winners = [line for line in report.splitlines() if line.endswith("| winner |")]
+    assert len(winners) == 2 * len(REGISTRY), winners  # one each at 50mbit and unshaped
+    for key, overrides in best.items():
+        strategy, _, kind = key.split("/")
+        setting = ", ".join(o.removeprefix("strategy.") for o in overrides) or "as shipped"
+        rate = "50mbit" if kind == "shaped" else "unshaped"
+        assert f"| {strategy} | 2 | {rate} | {setting} |" in report, (key, report)
+    assert "## Best against best" in report and "best against best" in report
+    assert "## Where the strategies cross, as shipped" in report
+    assert "## Where the strategies cross, at its best" in report
+    assert "| communication |" in report
+    with Image.open(report_dir / "throughput.png") as image:
+        image.load()
     store = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     (experiment,) = [e for e in store.search_experiments() if e.name == "distrepro"]
     (parent,) = [
@@ -203,7 +368,7 @@ def test_two_bandwidths_two_workers_measure_the_links_and_check_the_model(tmp_pa
         )
     ]
     assert sorted(r.data.params["network.bandwidth"] for r in trained) == sorted(
-        ["50mbit", "1gbit", "unshaped"] * len(REGISTRY)
+        ["50mbit", "unshaped"] * 2 * len(REGISTRY)
     )
     assert all("measured_worker_sent_mb_per_step" in r.data.metrics for r in trained)
 
@@ -216,11 +381,11 @@ def test_the_report_orders_rates_and_finds_where_two_strategies_cross():
         return {
             "strategy": strategy,
             "num_workers": 2,
-            "num_ps": 1,
             "global_batch_size": 64,
             "parameters": 1000,
             "trainable_parameters": 1000,
-            "fp16_allreduce": False,
+            "cfg": compose_config([f"strategy={strategy}"]),
+            "variant": (),
             "rate": rate,
             "network": {"bandwidth": bandwidth, "link_bytes_per_s": link},
         }

@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import (
     REPO,
+    SLURM_SH,
     copy_repo,
     peak_learning_rates,
     project_env,
@@ -29,16 +30,59 @@ from conftest import (
 from PIL import Image
 from test_training import launch_args
 
+from distrepro import tracking
 from distrepro.config import compose_config, memory_mb
 from distrepro.strategies import COMPARED, REGISTRY
 
 pytestmark = pytest.mark.slow
 
 
+REPRODUCE = ["snakemake", "--cores", "all", "reproduce"]
+
+
 @pytest.fixture(scope="module")
-def reproduced(tmp_path_factory):
+def interrupted(tmp_path_factory) -> dict:
+    """`snakemake reproduce` in a copy of the repo, stopped by SIGTERM to its
+    process group (as Ctrl-C or a scheduler's signal reaches every process of
+    the job) once the first training has checkpointed an epoch: the training
+    processes left within 10 s, and the run it stopped."""
     repo = copy_repo(tmp_path_factory.mktemp("workflow") / "repo")
-    run(["snakemake", "--cores", "all", "reproduce"], repo, timeout=1800)
+    proc = subprocess.Popen(
+        REPRODUCE,
+        cwd=repo,
+        env=project_env(repo),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not list(repo.glob("results/runs/*/checkpoints/ckpt-1.index")):
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while training_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (stopped,) = [d for d in (repo / "results/runs").iterdir() if (d / "checkpoints").is_dir()]
+    return {
+        "repo": repo,
+        "code": code,
+        "left": training_processes(),
+        "run_dir": stopped,
+        "mlflow_run_id": (stopped / "mlflow_run_id").read_text(),
+    }
+
+
+@pytest.fixture(scope="module")
+def reproduced(interrupted) -> Path:
+    """The same command again, to its end: the stopped run resumes."""
+    repo = interrupted["repo"]
+    run(REPRODUCE, repo, timeout=1800)
     return repo
 
 
@@ -89,6 +133,10 @@ def test_reproduce_reports_every_strategy_with_mlflow_runs(reproduced):
         seeds = runs_of(reproduced, **{"mlflow.parentRunId": parent.info.run_id})
         assert sorted(r.data.tags["seed"] for r in seeds) == ["0", "1", "2"]
         assert {r.data.tags["setting"] for r in seeds} == {parent.data.tags["setting"]}
+        # the parent spans its seeds: created as the first starts, ended with the last
+        first = min(r.info.start_time for r in seeds)
+        assert first - 10_000 < parent.info.start_time <= first
+        assert parent.info.end_time == max(r.info.end_time for r in seeds)
         # the seeds' mean and interval on the parent's row of the runs table
         mean = sum(rate[r.info.run_id] for r in seeds) / 3
         figures = parent.data.metrics
@@ -96,47 +144,45 @@ def test_reproduce_reports_every_strategy_with_mlflow_runs(reproduced):
         assert figures["images_per_sec_ci95_low"] < mean < figures["images_per_sec_ci95_high"]
 
 
-def test_an_interrupted_workflow_leaves_no_training_process_and_resumes(tmp_path):
-    """SIGTERM to Snakemake's process group, as Ctrl-C or a scheduler's signal
-    reaches every process of the job: the training stops with it, and the
-    same command again resumes the run from its checkpoint."""
-    repo = copy_repo(tmp_path / "repo")
-    command = ["snakemake", "--cores", "all", "sweep", "--config", "seeds=1"]
-    command += ["sweep=strategy=parameter_server", "overrides=train.epochs=4"]
-    proc = subprocess.Popen(
-        command,
-        cwd=repo,
-        env=project_env(repo),
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while not list(repo.glob("results/runs/*/checkpoints/ckpt-1.index")):
-            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(60) != 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while training_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not training_processes(), "training processes outlived the interrupted workflow"
-    (interrupted,) = [
-        d for d in (repo / "results/runs").iterdir() if not (d / "metrics.json").exists()
-    ]
-    first_id = (interrupted / "mlflow_run_id").read_text()
-
-    run(command, repo)
-    metrics = json.loads((interrupted / "metrics.json").read_text())
-    assert metrics["mlflow_run_id"] == first_id
-    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
-    log = (repo / "logs/train" / f"{interrupted.name}.log").read_text()
-    assert "epoch 1/4" not in log and "epoch 4/4" in log  # resumed after epoch 1
+def test_an_interrupted_workflow_leaves_no_training_process_and_resumes(interrupted, reproduced):
+    """SIGTERM stops every process of the run; the same command resumes the
+    stopped run from its checkpoint, in the same MLflow run."""
+    assert interrupted["code"] != 0
+    assert not interrupted["left"], "training processes outlived the interrupted workflow"
+    run_dir = interrupted["run_dir"]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["mlflow_run_id"] == interrupted["mlflow_run_id"]
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4, 5, 6]
+    log = (reproduced / "logs/train" / f"{run_dir.name}.log").read_text()
+    assert "epoch 1/6" not in log and "epoch 6/6" in log  # resumed after epoch 1
     assert not training_processes()
+
+
+@pytest.mark.parametrize("strategy", REGISTRY)
+def test_every_strategy_learns_digits_far_above_chance(reproduced, strategy):
+    for path in reproduced.glob("results/runs/*/metrics.json"):
+        metrics = json.loads(path.read_text())
+        if metrics["strategy"] != strategy:
+            continue
+        assert metrics["num_workers"] == 2 and metrics["top1"] >= 0.90, metrics["history"]
+        assert metrics["epochs"] == 6 and len(metrics["history"]) == 6
+        assert metrics["images_per_sec"] > 0 and metrics["total_time_s"] > 0
+        logged = client(reproduced).get_run(metrics["mlflow_run_id"])
+        assert logged.data.params["strategy.name"] == strategy
+        assert logged.data.params["train.global_batch_size"] == "64"
+        assert logged.data.tags["strategy"] == strategy
+        assert logged.data.tags["command"].startswith("python -m distrepro.launch")
+        assert logged.data.metrics["top1"] == pytest.approx(metrics["top1"])
+        history = client(reproduced).get_metric_history(metrics["mlflow_run_id"], "val_top1")
+        assert sorted(m.step for m in history) == list(range(1, 7))
+        # the run's own img/s, and its epochs' under their own name
+        assert logged.data.metrics["images_per_sec"] == pytest.approx(metrics["images_per_sec"])
+        epochs = client(reproduced).get_metric_history(
+            metrics["mlflow_run_id"], "epoch_images_per_sec"
+        )
+        assert sorted(m.value for m in epochs) == sorted(
+            h["images_per_sec"] for h in metrics["history"]
+        )
 
 
 def test_reproduce_leaves_data_clean_and_a_second_run_does_nothing(reproduced):
@@ -169,7 +215,7 @@ def test_snakemake_report_includes_the_plots(reproduced):
 def test_two_point_sweep_with_two_seeds_nests_seeds_under_points_under_one_parent(reproduced):
     config = [
         "sweep=train.global_batch_size=32,64 strategy=horovod",
-        "overrides=train.epochs=2 strategy.num_workers=1",
+        "overrides=train.epochs=2 strategy.num_workers=1 train.log_model=false",
         "seeds=2",
     ]
     run(["snakemake", "--cores", "2", "sweep", "--config", *config], reproduced, timeout=1800)
@@ -194,7 +240,7 @@ def test_two_point_scaling_reports_efficiency_from_the_runs_own_rates(reproduced
     config = [
         "workers=1,2",
         "seeds=1",
-        "overrides=train.epochs=1 train.steps_per_epoch=12",
+        "overrides=train.epochs=1 train.steps_per_epoch=12 train.log_model=false",
     ]
     run(["snakemake", "--cores", "2", "scaling", "--config", *config], reproduced, timeout=1800)
     (report_dir,) = reproduced.glob("results/scaling/*/report")
@@ -352,42 +398,28 @@ def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_pa
         top1 = trained.data.metrics["eval_top1"]
         shown = str(int(top1)) if top1.is_integer() else repr(top1)  # as JavaScript prints it
         assert f"eval_top1 {shown}" in run_page
+        # Unfolded (a view of the same columns with every parent expanded, as a
+        # click on each would), a training's row shows its metrics.json img/s
+        # (not its last epoch's), as JavaScript prints it.
+        expanded = {r.info.run_id: True for r in runs}
+        view = tracking.runs_view(runsExpanded=expanded)
+        client(reproduced).set_experiment_tag(
+            experiment.experiment_id, "mlflow.sharedViewState.expanded", view
+        )
+        path = tracking.RUNS_VIEW_PATH.format(id=experiment.experiment_id)
+        unfolded = rendered_text(f"{base}/{path.replace('=runs', '=expanded')}", tmp_path / "c")
+        for path in reproduced.glob("results/runs/*/metrics.json"):
+            metrics = json.loads(path.read_text())
+            assert metrics["run_name"] in unfolded
+            assert repr(metrics["images_per_sec"]) in unfolded, metrics["run_name"]
+            last_epoch = metrics["history"][-1]["images_per_sec"]
+            assert repr(last_epoch) not in unfolded, metrics["run_name"]
     finally:
         os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(30)
 
 
-SLURM_SH = str(REPO / "tests" / "slurm.sh")
-SLURM_DAEMONS = ("munged", "slurmctld", "slurmd")
 RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")  # a job's states before its end
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """A SLURM cluster of two namespace hosts, node1 and node2, with no sshd
-    (tests/slurm.sh); its folder."""
-    if os.geteuid() != 0:
-        pytest.skip("a SLURM cluster needs root: namespaces, slurmd, slurmctld and munged")
-    tools = (*SLURM_DAEMONS, "sbatch", "ip", "unshare", "findmnt")
-    missing = [tool for tool in tools if not shutil.which(tool)]
-    if missing:
-        pytest.skip(f"a SLURM cluster needs {', '.join(missing)}: `make test` installs them")
-    folder = tmp_path_factory.mktemp("slurm")
-    up = subprocess.run([SLURM_SH, "up", folder], capture_output=True, text=True)
-    daemons = []
-    try:
-        assert up.returncode == 0, up.stderr
-        daemons = [int(p.read_text()) for p in folder.glob("*.pid")]
-        yield folder
-    finally:
-        subprocess.run([SLURM_SH, "down", folder], check=True)
-    assert not [pid for pid in daemons if psutil.pid_exists(pid)], "a daemon outlived the tests"
-    assert not [ns for ns in netns_names() if ns.startswith("drp")], "a host outlived the tests"
-
-
-def netns_names() -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    return [line.split()[0] for line in listed.stdout.splitlines()]
 
 
 def on_login_node(cluster: Path, command: list[str], cwd: Path, timeout: float = 60):
@@ -408,7 +440,8 @@ def assert_only_daemons_left(cluster: Path) -> None:
     """Within a minute of its jobs' end, a node runs no job process (slurmstepd
     ends with its step's last)."""
     deadline = time.monotonic() + 60
-    while (left := set(processes_on_nodes(cluster))) != {"slurmctld", "slurmscriptd", "slurmd"}:
+    daemons = {"munged", "slurmctld", "slurmscriptd", "slurmd"}
+    while (left := set(processes_on_nodes(cluster))) != daemons:
         assert time.monotonic() < deadline, f"left on the nodes: {left}"
         time.sleep(1)
 
@@ -423,7 +456,11 @@ def test_the_workflow_runs_through_the_slurm_profile_on_two_nodes(
         # the test cluster keeps no accounting (sacct): jobs are followed with squeue
         ["snakemake", "--workflow-profile", "workflow/profiles/slurm"]
         + ["--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1"]
-        + ["--config", "seeds=1", "overrides=train.epochs=5 strategy.workers_per_node=1"]
+        + [
+            "--config",
+            "seeds=1",
+            "overrides=train.epochs=5 strategy.workers_per_node=1 train.log_model=false",
+        ]
         + ["--", "reproduce"],
         repo,
         timeout=1800,
