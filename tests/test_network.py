@@ -296,10 +296,11 @@ def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(n
             for way, expected in ways.items():  # headers and framing add, nothing is missing
                 measured = record["measured"][role][way]
                 assert 0.95 < measured / expected < 1.3, (cfg.strategy, role, way, record)
-        # each variable read once per update; the framing of the gradients a
-        # colocated ps takes in counts as reads, hence the same bound
+        # each variable read once per update (twice would be over 2): beside
+        # a colocated ps the framing of the gradients it takes in counts as
+        # reads, 1.33 at a framing of 1.16
         if record["exchange"] == "parameter server":
-            assert 0.9 < record["reads_per_update"] < 1.3, (cfg.strategy, record)
+            assert 0.9 < record["reads_per_update"] < 1.5, (cfg.strategy, record)
     shaped = {
         (cfg.strategy.name.value, cfg.strategy.fp16_allreduce, cfg.strategy.ps_placement): record
         for record, cfg in records
