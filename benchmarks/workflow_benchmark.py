@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     reference = seconds(["--version"], r"\d")
     up_to_date = seconds(["--cores", "all", "reproduce"], "Nothing to be done")
-    sweep = seconds(["-n", "sweep", "--config", SWEEP_100], r"^train\s+100$")
+    sweep = seconds(["-n", "sweep", "--config", SWEEP_100, "seeds=1"], r"^train\s+100$")
     result = {
         "snakemake_version_s": round(reference, 2),
         "reproduce_up_to_date_s": round(up_to_date, 2),
