@@ -274,7 +274,8 @@ def expected(cfg: DictConfig, metrics: dict) -> dict:
 def reads_per_update(cfg: DictConfig, metrics: dict, per_step: dict) -> float | None:
     """R as measured: what a parameter-server worker's host received beyond
     its ps's share of gradients, over the model bytes it had to read (the
-    mean over the workers' hosts); None for an all-reduce."""
+    mean over the workers' hosts); None for an all-reduce. The framing of
+    every byte counts too: 1.07 for a separate ps, 1.33 colocated at 50 Mbit/s."""
     if strategies.of(cfg).EXCHANGE != "parameter server":
         return None
     setting, gradients, variables = model_inputs(cfg, metrics)
