@@ -22,10 +22,9 @@ from distrepro.atomic import write_json_atomically
 def final_model(cfg: DictConfig, run_dir: Path, metrics: dict):
     """(the model, where it came from): the MLflow model, else the checkpoint."""
     import mlflow
-    import tensorflow as tf
 
     from distrepro.training.inputs import read_metadata
-    from distrepro.training.models import build_model
+    from distrepro.training.models import restored_model
 
     model_id = run_dir / tracking.MODEL_ID_FILE
     if model_id.exists():
@@ -33,9 +32,7 @@ def final_model(cfg: DictConfig, run_dir: Path, metrics: dict):
         mlflow.set_tracking_uri(tracking.tracking_uri())
         return mlflow.tensorflow.load_model(uri), uri
     classes = read_metadata(cfg.data.tfrecord_dir)["num_classes"]
-    model = build_model(cfg.model, cfg.data.image_size, classes)
-    tf.train.Checkpoint(model=model).restore(metrics["final_checkpoint"]).expect_partial()
-    return model, metrics["final_checkpoint"]
+    return restored_model(cfg, classes, metrics["final_checkpoint"]), metrics["final_checkpoint"]
 
 
 def evaluate(cfg: DictConfig) -> dict:

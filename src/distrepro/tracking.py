@@ -106,11 +106,10 @@ def ensure_experiment(name: str) -> str:
     return experiment.experiment_id
 
 
-def runs_view(**more) -> str:
-    """The runs table's columns (and `more` of the UI's view state, such as
-    runsExpanded) as the MLflow UI stores a shared view: JSON, zlib-deflated,
-    base64, prefixed "deflate;"."""
-    state = json.dumps({"selectedColumns": RUNS_VIEW_COLUMNS, **more})
+def runs_view() -> str:
+    """The runs table's columns as the MLflow UI stores a shared view: JSON,
+    zlib-deflated, base64, prefixed "deflate;"."""
+    state = json.dumps({"selectedColumns": RUNS_VIEW_COLUMNS})
     return "deflate;" + base64.b64encode(zlib.compress(state.encode())).decode()
 
 

@@ -97,11 +97,10 @@ class RunFiles:
         MultiWorkerMirroredStrategy reading batch norm's statistics is an
         all-reduce, which the other workers, done, no longer join.)"""
         from distrepro.training.inputs import make_dataset
-        from distrepro.training.models import build_model
+        from distrepro.training.models import restored_model
 
         classes = self.model.output_shape[-1]
-        final = build_model(cfg.model, cfg.data.image_size, classes)
-        tf.train.Checkpoint(model=final).read(self.manager.latest_checkpoint).expect_partial()
+        final = restored_model(cfg, classes, self.manager.latest_checkpoint)
         partial = self.run_dir / f".partial-{tracking.MODEL_FILE}"  # Keras wants the suffix
         final.save(partial)
         os.replace(partial, self.run_dir / tracking.MODEL_FILE)

@@ -47,3 +47,13 @@ def build_model(model_cfg, image_size: int, num_classes: int) -> keras.Model:
         features = small_resnet(inputs, model_cfg.blocks_per_stage, model_cfg.base_width)
     logits = layers.Dense(num_classes, dtype="float32", name="logits")(features)
     return keras.Model(pixels, logits, name=model_cfg.name)
+
+
+def restored_model(cfg, num_classes: int, checkpoint: str) -> keras.Model:
+    """The run's model, outside any strategy, with the weights of one of its
+    checkpoints (RunFiles' `model`)."""
+    import tensorflow as tf
+
+    model = build_model(cfg.model, cfg.data.image_size, num_classes)
+    tf.train.Checkpoint(model=model).read(checkpoint).expect_partial()
+    return model
