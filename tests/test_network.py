@@ -248,6 +248,8 @@ def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_one
         assert psutil.pid_exists(int((live / "sshd-node1.pid").read_text()))
     finally:
         killed.kill()
+        killed.wait()
+        subprocess.run([HOSTS_SH, "down", "--stale"], check=True)  # the killed run's, if left
         subprocess.run([HOSTS_SH, "down", live], check=True)
 
 

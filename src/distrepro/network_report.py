@@ -51,8 +51,8 @@ WHY_BYTES = {
 @functools.cache
 def shipped(strategy: str) -> dict:
     """The strategy's own keys as its config file ships them."""
-    settings_ = config.compose_config([f"strategy={strategy}"]).strategy
-    return {key: settings_[key] for key in strategies.module(strategy).KEYS}
+    ships = config.compose_config([f"strategy={strategy}"]).strategy
+    return {key: ships[key] for key in strategies.module(strategy).KEYS}
 
 
 def variant(cfg) -> tuple[str, ...]:
@@ -105,9 +105,10 @@ def winners(runs: list[dict]) -> dict[str, list[str]]:
     """Each strategy's (and worker count's) fastest setting at the grid's
     rates: {"horovod/2/shaped": overrides, "horovod/2/unshaped": ...}."""
     grouped = settings(runs)
+    rates = grid_rates(grouped)
     best: dict[str, tuple[float, tuple]] = {}
     for (strategy, workers, bandwidth, run_variant), group in grouped.items():
-        if bandwidth in grid_rates(grouped):
+        if bandwidth in rates:
             key = f"{strategy}/{workers}/{rate_class(bandwidth)}"
             rate = stats.mean_interval([r["rate"] for r in group]).estimate
             if key not in best or rate > best[key][0]:
@@ -381,9 +382,9 @@ def model_check(rows: list[dict]) -> list[str]:
 
 def grid_section(grouped: dict[tuple, list[dict]], picked: dict[tuple, tuple]) -> list[str]:
     """Each strategy's settings at the grid's rates (one seed), the winners marked."""
-    rows = []
+    rows, rates = [], grid_rates(grouped)
     for (strategy, workers, bandwidth, run_variant), group in sorted(grouped.items()):
-        if bandwidth not in grid_rates(grouped):
+        if bandwidth not in rates:
             continue
         winner = picked.get((strategy, workers, rate_class(bandwidth)))
         rate = stats.mean_interval([r["rate"] for r in group]).estimate
@@ -418,7 +419,7 @@ def write(out_dir: Path, runs: list[dict], best: dict[str, list[str]] | None = N
         curve_rows["at its best"] = curve_of(rows, picked)
     plot(curve_rows, out_dir / "throughput.png")
     first = runs[0]
-    setting, gradients, variables = model_inputs(first["cfg"], first)
+    _, gradients, variables = model_inputs(first["cfg"], first)
     unshaped = [
         [
             k[0],
