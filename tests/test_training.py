@@ -21,7 +21,7 @@ import mlflow
 import numpy as np
 import psutil
 import pytest
-from conftest import REPO, peak_learning_rates, training_processes, wait_for_http
+from conftest import REPO, SHALLOW, peak_learning_rates, training_processes, wait_for_http
 from mlflow.entities import LoggedModelStatus
 from omegaconf import errors as omegaconf_errors
 from test_setup import V100, stand_in
@@ -36,9 +36,11 @@ PYTHON = sys.executable
 HOROVODRUN = str(Path(PYTHON).parent / "horovodrun")
 
 
-def launch_args(tfrecords: Path, results: Path, *overrides: str) -> list[str]:
-    """A launch on the session's digits. The final model goes to MLflow only
+def launch_args(tfrecords: Path, results: Path, *overrides: str, shallow: bool = True) -> list[str]:
+    """A launch on the session's digits, of the shallow model unless a test
+    needs the default's longer epochs. The final model goes to MLflow only
     where a test says so (train.log_model=true): 3 s a run otherwise spent."""
+    model = [SHALLOW] if shallow else []
     return [
         PYTHON,
         "-m",
@@ -46,6 +48,7 @@ def launch_args(tfrecords: Path, results: Path, *overrides: str) -> list[str]:
         f"data.tfrecord_dir={tfrecords}",
         f"results_dir={results}",
         "train.log_model=false",
+        *model,
         *overrides,
     ]
 
@@ -376,8 +379,8 @@ def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store):
     }
     client = mlflow.MlflowClient(server.uri)
     times = {"launched": time.time()}
-    proc = subprocess.Popen(
-        launch_args(digits_tfrecords, results, *overrides),
+    proc = subprocess.Popen(  # the default model: epochs long enough to outlast each outage
+        launch_args(digits_tfrecords, results, *overrides, shallow=False),
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -445,8 +448,8 @@ def test_the_final_model_is_in_mlflow_and_evaluates_as_the_checkpoint_does(
     assert model.status.to_proto() == LoggedModelStatus.READY.to_proto(), model.status
     assert model.name == "model" and model.model_id in model.model_uri
     evaluate = [PYTHON, "-m", "distrepro.evaluate", f"data.tfrecord_dir={digits_tfrecords}"]
-    evaluate += [f"results_dir={run_dir.parent}", "strategy.num_workers=1", "train.epochs=30"]
-    evaluate += ["train.steps_per_epoch=10", "train.log_model=true"]
+    evaluate += [f"results_dir={run_dir.parent}", "strategy.num_workers=1"]
+    evaluate += ["train.epochs=30", "train.steps_per_epoch=10", "train.log_model=true"]
 
     def evaluated() -> dict:
         subprocess.run(evaluate, check=True, cwd=REPO, env=outage_at_start["env"], timeout=300)

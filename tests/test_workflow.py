@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import (
     REPO,
+    SHALLOW,
     SLURM_SH,
     copy_repo,
     peak_learning_rates,
@@ -214,7 +215,7 @@ def test_snakemake_report_includes_the_plots(reproduced):
 def test_two_point_sweep_with_two_seeds_nests_seeds_under_points_under_one_parent(reproduced):
     config = [
         "sweep=train.global_batch_size=32,64 strategy=horovod",
-        "overrides=train.epochs=2 strategy.num_workers=1 train.log_model=false",
+        f"overrides=train.epochs=2 strategy.num_workers=1 train.log_model=false {SHALLOW}",
         "seeds=2",
     ]
     run(["snakemake", "--cores", "2", "sweep", "--config", *config], reproduced, timeout=1800)
@@ -239,7 +240,7 @@ def test_two_point_scaling_reports_efficiency_from_the_runs_own_rates(reproduced
     config = [
         "workers=1,2",
         "seeds=1",
-        "overrides=train.epochs=1 train.steps_per_epoch=12 train.log_model=false",
+        f"overrides=train.epochs=1 train.steps_per_epoch=12 train.log_model=false {SHALLOW}",
     ]
     run(["snakemake", "--cores", "2", "scaling", "--config", *config], reproduced, timeout=1800)
     (report_dir,) = reproduced.glob("results/scaling/*/report")
@@ -458,7 +459,7 @@ def test_the_workflow_runs_through_the_slurm_profile_on_two_nodes(
         + [
             "--config",
             "seeds=1",
-            "overrides=train.epochs=5 strategy.workers_per_node=1 train.log_model=false",
+            f"overrides=train.epochs=5 strategy.workers_per_node=1 train.log_model=false {SHALLOW}",
         ]
         + ["--", "reproduce"],
         repo,
@@ -482,7 +483,7 @@ def test_the_workflow_runs_through_the_slurm_profile_on_two_nodes(
         assert "JobState=COMPLETED" in shown and " NodeList=node[1-2]" in shown, shown
         assert "NumNodes=2 " in shown and "NumTasks=2 " in shown, shown
         memory |= {int(m) for m in re.findall(r"MinMemoryNode=(\d+)M", shown)}
-    overrides = ["train.epochs=5", "strategy.workers_per_node=1"]
+    overrides = ["train.epochs=5", "strategy.workers_per_node=1", SHALLOW]
     configs = [compose_config([f"strategy={s}", *overrides]) for s in REGISTRY]
     assert memory == {memory_mb(cfg) for cfg in configs}
     for strategy in REGISTRY:  # each strategy's processes ran on both nodes
