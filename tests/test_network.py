@@ -14,6 +14,7 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
+import yaml
 from conftest import HOSTS_SH, REPO, copy_repo, project_env, run
 from omegaconf import DictConfig
 from PIL import Image
@@ -70,6 +71,32 @@ def test_step_times_follow_the_formulas_on_hand_made_numbers():
     assert step("parameter server", 0.0, uneven, links, 100, 200) == pytest.approx(3.0)
     # img/s: the global batch over the step
     assert 64 / step("parameter server", 0.0, one_per_host, links, 100, 200) == pytest.approx(32.0)
+
+
+def test_the_hosts_cpus_bound_a_step_on_hand_made_numbers():
+    links = costmodel.Links(hosts=150.0, devices=1500.0, worker_ps=300.0, ps=1000.0)
+    one_host = costmodel.Setting(workers=4, workers_per_host=4, global_batch=64, compute_s=1.0)
+    cpu = costmodel.HostCPU(vcpus=8, decode_s=0.25, ps_apply_s=0.01, ps_serve_s=0.005)
+    step = costmodel.step_time
+    # CPU-bound: 64 images x 0.25 = 16 core-s over 8 vCPUs = 2 s, over the
+    # ring's 1.1 s; the ps tasks on the same host add 4 x (100 x 0.01 +
+    # 200 x 0.005) = 8 core-s: 3 s
+    assert costmodel.cpu_time("all-reduce", one_host, cpu, 100, 200) == pytest.approx(2.0)
+    assert step("all-reduce", 0.0, one_host, links, 100, 200, cpu) == pytest.approx(2.0)
+    assert step("parameter server", 0.0, one_host, links, 100, 200, cpu) == pytest.approx(3.0)
+    # link-bound: no decoding (synthetic data) and cheap ps work leave the links'
+    # figures as they were
+    idle = costmodel.HostCPU(vcpus=8, decode_s=0.0, ps_apply_s=0.001, ps_serve_s=0.001)
+    one_per_host = dataclasses.replace(one_host, workers_per_host=1)
+    for exchange, seconds in (("all-reduce", 2.0), ("parameter server", 2.0)):
+        assert step(exchange, 0.0, one_per_host, links, 100, 200, idle) == pytest.approx(seconds)
+    # a separate ps host of its own carries the ps work alone: 8 core-s / 8
+    # against each worker host's 16 images x 0.25 / 8 = 0.5 s
+    cpu_time = costmodel.cpu_time("parameter server", one_per_host, cpu, 100, 200)
+    assert cpu_time == pytest.approx(1.0)
+    # colocated, the host with half the model does half the ps work beside its decoding
+    halves = dataclasses.replace(one_per_host, ps_shares=(0.5, 0.5, 0.0, 0.0))
+    assert costmodel.cpu_time("parameter server", halves, cpu, 100, 200) == pytest.approx(1.0)
 
 
 def test_the_bytes_expected_of_resnet50_in_the_seeds_setting():
@@ -204,6 +231,19 @@ def test_predict_prints_the_seeds_figures_beside_its_predictions():
     fast = predict.predictions(compose_config(cluster))["horovod"]
     slow = predict.predictions(compose_config([*cluster, "hardware.link_gbit=1"]))["horovod"]
     assert slow < fast / 2
+
+
+def test_predict_all_prints_every_published_figure_with_its_error():
+    printed = run([sys.executable, "-m", "distrepro.predict", "--all"], REPO).stdout
+    families = yaml.safe_load((REPO / "conf" / "published.yaml").read_text())["families"]
+    rows = predict.checks()
+    assert len(rows) == sum(len(f["runs"]) + ("input" in f) for f in families)
+    for r in rows:
+        shown = f"predicted {r['predicted']:>9,.0f}  published {r['published']:>9,.0f}"
+        assert f"{shown}  {r['error']:+5.0%}" in printed, r
+    assert printed.count("input, not a check") == sum("input" in f for f in families)
+    assert predict.summary(rows) in printed
+    assert "with today's compute input (893.09 img/s a V100)" in printed
 
 
 def skip_without_root() -> None:

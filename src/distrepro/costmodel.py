@@ -46,11 +46,25 @@ or its batch / a device's published img/s):
                         to a separate ps is B_w (its host's link, or within
                         one host its PCIe lanes).
 
-  img/s = global batch / time per step.
+Host CPUs, where a host's CPUs are known (its vCPUs V, and the core-seconds
+the training asks of them: d per training image decoded and cropped, a per
+gradient byte a ps task takes in and applies, v per variable byte it serves),
+a step is at least the busiest host's CPU time:
+
+  worker host           its images per step x d  (d = 0 on synthetic data)
+  parameter server      N (a G + v R M) for all ps tasks: on the workers'
+                        host when one host holds them all, on a host of
+                        its own when separate, a share s_h on each host
+                        when colocated.
+
+  each host's CPU time  its core-seconds / V
+
+  img/s = global batch / max(time per step, the busiest host's CPU time).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 BACKWARD_SHARE = 2 / 3  # of a worker's compute: the backward pass does twice the forward's work
@@ -75,6 +89,17 @@ class Setting:
     compute_s: float  # one worker's compute time per update
     ps_shares: tuple[float, ...] = ()  # colocated ps: the model's share on each worker's host
     reads: float = PS_READS
+
+
+@dataclass(frozen=True)
+class HostCPU:
+    """A host's vCPUs and the core-seconds the training asks of them
+    (benchmarks/cpu_costs.json, measured on a vCPU of the machine it ran on)."""
+
+    vcpus: int
+    decode_s: float  # per training image (0 on synthetic data)
+    ps_apply_s: float  # per gradient byte a ps task takes in and applies
+    ps_serve_s: float  # per variable byte a ps task serves
 
 
 def gradient_bytes(trainable_parameters: int, fp16_allreduce: bool) -> float:
@@ -145,20 +170,44 @@ def step_time(
     links: Links,
     gradients: float,
     variables: float,
+    cpu: HostCPU | None = None,
 ) -> float:
-    """Seconds per step (see the module's formulas)."""
+    """Seconds per step (see the module's formulas): the slowest of compute
+    and links, and of the hosts' CPUs where they are given."""
     n, c = setting.workers, setting.compute_s
     if exchange == "all-reduce":
         spans_hosts = n > setting.workers_per_host
         edge = links.hosts if spans_hosts else links.devices
         communication = ring_bytes(n, gradients) / edge
-        return c + max(0.0, communication - overlap * BACKWARD_SHARE * c)
-    slowest = 0.0
-    for host in ps_links(setting, gradients, variables):
-        rate = getattr(links, host.link)
-        own = c + host.own / rate if host.own else 0.0
-        slowest = max(slowest, own, max(host.sent, host.received) / rate)
-    return slowest
+        slowest = c + max(0.0, communication - overlap * BACKWARD_SHARE * c)
+    else:
+        slowest = 0.0
+        for host in ps_links(setting, gradients, variables):
+            rate = getattr(links, host.link)
+            own = c + host.own / rate if host.own else 0.0
+            slowest = max(slowest, own, max(host.sent, host.received) / rate)
+    if cpu is None:
+        return slowest
+    return max(slowest, cpu_time(exchange, setting, cpu, gradients, variables))
+
+
+def cpu_time(
+    exchange: str, setting: Setting, cpu: HostCPU, gradients: float, variables: float
+) -> float:
+    """Seconds of the busiest host's CPUs per step (see the module's formulas)."""
+    n = setting.workers
+    on_one_host = min(n, setting.workers_per_host)
+    decode = on_one_host * setting.global_batch / n * cpu.decode_s
+    if exchange == "all-reduce":
+        return decode / cpu.vcpus
+    ps = n * (gradients * cpu.ps_apply_s + setting.reads * variables * cpu.ps_serve_s)
+    if setting.ps_shares:
+        busiest = decode + ps * max(setting.ps_shares)
+    elif math.ceil(n / setting.workers_per_host) == 1:
+        busiest = decode + ps
+    else:
+        busiest = max(decode, ps)
+    return busiest / cpu.vcpus
 
 
 def overlap(most: float, ready_within_s: float | None, compute_s: float) -> float:

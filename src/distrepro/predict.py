@@ -1,50 +1,80 @@
-"""Images/s of each strategy on a cluster, from the cost model (costmodel)
-and published hardware figures (conf/hardware/, each value with its source):
-place your own cluster on the curve by overriding them.
+"""Images/s of each strategy on a cluster, from the cost model (costmodel),
+published hardware figures (conf/hardware/, each value with its source) and
+the host CPU's costs measured here (benchmarks/cpu_costs.json): place your
+own cluster on the curve by overriding them.
 
     python -m distrepro.predict experiment=aws_blog_8gpu       (the seed, beside its figures)
     python -m distrepro.predict experiment=aws_horovod_32gpu   (AWS's 32-GPU Horovod run)
     python -m distrepro.predict experiment=aws_horovod_32gpu hardware.link_gbit=100
+    python -m distrepro.predict --all   (every published figure of conf/published.yaml)
+
+The CPU costs are scaled to the target by one stated rule: a vCPU there does
+the work of a vCPU of the machine that measured them.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
+import sys
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from distrepro import costmodel, strategies
-from distrepro.config import CONF_DIR
+from distrepro.config import CONF_DIR, compose_config
+
+CPU_COSTS = CONF_DIR.parent / "benchmarks" / "cpu_costs.json"  # benchmarks/cpu_costs.py
 
 
-def setting(cfg: DictConfig) -> costmodel.Setting:
+def setting(cfg: DictConfig, device_img_s: float) -> costmodel.Setting:
     hardware, workers = cfg.hardware, cfg.strategy.num_workers
     per_worker = cfg.train.global_batch_size / workers
     return costmodel.Setting(
         workers=workers,
         workers_per_host=hardware.workers_per_host,
         global_batch=cfg.train.global_batch_size,
-        compute_s=per_worker / hardware.device_img_s,
+        compute_s=per_worker / device_img_s,
     )
 
 
-def links(hardware: DictConfig) -> costmodel.Links:
+def links(hardware: DictConfig, hosts: int) -> costmodel.Links:
+    """Within one host a ps task is on its CPU, over PCIe; across hosts, on
+    another host, over the network."""
+    ps = hardware.link_gbit if hosts > 1 else None
     return costmodel.Links(
         hosts=costmodel.gbit(hardware.link_gbit),
         devices=costmodel.gbit(hardware.device_link_gbit),
-        worker_ps=costmodel.gbit(hardware.worker_ps_gbit),
-        ps=costmodel.gbit(hardware.ps_link_gbit),
+        worker_ps=costmodel.gbit(ps or hardware.worker_ps_gbit),
+        ps=costmodel.gbit(ps or hardware.ps_link_gbit),
     )
 
 
-def predictions(cfg: DictConfig) -> dict[str, float]:
-    """Predicted img/s of every strategy in cfg's setting on cfg.hardware."""
+def host_cpu(hardware: DictConfig, synthetic: bool) -> costmodel.HostCPU:
+    costs = json.loads(CPU_COSTS.read_text())
+    return costmodel.HostCPU(
+        vcpus=hardware.host_vcpus,
+        decode_s=0.0 if synthetic else costs["decode_s_per_image"],
+        ps_apply_s=costs["ps_apply_s_per_byte"],
+        ps_serve_s=costs["ps_serve_s_per_byte"],
+    )
+
+
+def predictions(
+    cfg: DictConfig, device_img_s: float | None = None, synthetic: bool = False
+) -> dict[str, float]:
+    """Predicted img/s of every strategy in cfg's setting on cfg.hardware,
+    from its compute figure or `device_img_s`."""
+    hardware = cfg.hardware
     parameters = cfg.model.parameters
     gradients = costmodel.gradient_bytes(parameters, cfg.strategy.fp16_allreduce)
     variables = costmodel.variable_bytes(parameters)
-    given, between = setting(cfg), links(cfg.hardware)
+    given = setting(cfg, device_img_s or hardware.device_img_s)
+    between = links(hardware, hosts_of(cfg))
+    cpu = host_cpu(hardware, synthetic)
     return {
         name: given.global_batch
         / costmodel.step_time(
@@ -54,14 +84,52 @@ def predictions(cfg: DictConfig) -> dict[str, float]:
             between,
             gradients,
             variables,
+            cpu,
         )
         for name in strategies.REGISTRY
     }
 
 
+def hosts_of(cfg: DictConfig) -> int:
+    return math.ceil(cfg.strategy.num_workers / cfg.hardware.workers_per_host)
+
+
+def hardware_entry(choice: str) -> dict:
+    """A hardware entry's values over those of the entries it builds on."""
+    values = yaml.safe_load((CONF_DIR / "hardware" / f"{choice}.yaml").read_text())
+    entry = {}
+    for base in values.pop("defaults", []):
+        entry.update(values if base == "_self_" else hardware_entry(base))
+    return entry or values
+
+
+def compute_inputs(hardware: DictConfig) -> dict[str, float]:
+    """Every hardware entry's figure for the same device, by entry."""
+    entries = {p.stem: hardware_entry(p.stem) for p in (CONF_DIR / "hardware").glob("*.yaml")}
+    return {
+        name: entry["device_img_s"]
+        for name, entry in sorted(entries.items(), key=lambda e: e[1]["device_img_s"])
+        if entry["device"] == hardware.device
+    }
+
+
+def sensitivity(cfg: DictConfig) -> list[str]:
+    """The predictions under each compute input, side by side."""
+    inputs = compute_inputs(cfg.hardware)
+    rows = {name: predictions(cfg, rate) for name, rate in inputs.items()}
+    lines = [f"{'under each compute input':<24}" + "".join(f"{n:>18}" for n in rows)]
+    lines.append(f"{'(img/s a device)':<24}" + "".join(f"{r:>18,.1f}" for r in inputs.values()))
+    for strategy in strategies.REGISTRY:
+        cells = "".join(f"{rows[n][strategy]:>18,.0f}" for n in rows)
+        lines.append(f"{strategy:<24}{cells}")
+    return lines
+
+
 def refusal(cfg: DictConfig) -> str | None:
     if cfg.hardware is None:
         return "no hardware: choose one of conf/hardware/ (hardware=p3_16xlarge) or an experiment"
+    if cfg.hardware.get("host_vcpus") is None:
+        return f"hardware={cfg.hardware.name} gives no host_vcpus: add its host's vCPU count"
     if cfg.model.parameters is None:
         return f"model.parameters is not set for model={cfg.model.name}: give its parameter count"
     return None
@@ -123,8 +191,87 @@ def main(cfg: DictConfig) -> None:
         print(f"published: {cfg.published.source}")
     elif cfg.published:
         print(f"(no published figure: they are for {dict(cfg.published.setting)} as published)")
+    print("\n" + "\n".join(sensitivity(cfg)))
     print("\nInputs and their sources:\n" + sources(HydraConfig.get().runtime.choices["hardware"]))
+    print(cpu_inputs())
+
+
+def cpu_inputs() -> str:
+    costs = json.loads(CPU_COSTS.read_text())
+    return (
+        f"# {CPU_COSTS.relative_to(CONF_DIR.parent)}, `{costs['command']}` on {costs['cpu']} "
+        f"({costs['date']}), a vCPU there for a vCPU here:\n"
+        f"decode_s_per_image: {costs['decode_s_per_image']:.3g}\n"
+        f"ps_apply_s_per_byte: {costs['ps_apply_s_per_byte']:.3g}\n"
+        f"ps_serve_s_per_byte: {costs['ps_serve_s_per_byte']:.3g}"
+    )
+
+
+def checks(device_img_s: float | None = None) -> list[dict]:
+    """Every published run of conf/published.yaml, predicted: its family's
+    input first (marked), then its runs. device_img_s replaces every
+    family's compute input (for a comparison with another one)."""
+    rows = []
+    for family in yaml.safe_load((CONF_DIR / "published.yaml").read_text())["families"]:
+        given = family.get("input")
+        first = (
+            [{**given, "strategy": family["runs"][0]["strategy"], "input": True}] if given else []
+        )
+        for run in [*first, *family["runs"]]:
+            cfg = compose_config(
+                [
+                    "experiment=aws_blog_8gpu",
+                    f"strategy={run['strategy']}",
+                    f"hardware={family['hardware']}",
+                    f"strategy.num_workers={run['gpus']}",
+                    f"train.global_batch_size={run['gpus'] * family['batch_per_gpu']}",
+                ]
+            )
+            rate = device_img_s or (given["img_s"] if given else None)
+            predicted = predictions(cfg, rate, family.get("synthetic", False))[run["strategy"]]
+            rows.append(
+                {
+                    "source": family["source"],
+                    "strategy": run["strategy"],
+                    "gpus": run["gpus"],
+                    "published": run["img_s"],
+                    "predicted": predicted,
+                    "error": (predicted - run["img_s"]) / run["img_s"],
+                    "input": run.get("input", False),
+                }
+            )
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    errors = [abs(r["error"]) for r in rows if not r["input"]]
+    return (
+        f"{len(errors)} checks: mean |error| {statistics.mean(errors):.0%}, "
+        f"largest {max(errors):.0%}"
+    )
+
+
+def print_checks() -> None:
+    rows = checks()
+    source = None
+    for r in rows:
+        if r["source"] != source:
+            source = r["source"]
+            print(f"\n{source}")
+        mark = "  input, not a check" if r["input"] else ""
+        print(
+            f"  {r['strategy']:<22}{r['gpus']:>4} GPUs  predicted {r['predicted']:>9,.0f}"
+            f"  published {r['published']:>9,.0f}  {r['error']:+5.0%}{mark}"
+        )
+    print(f"\n{summary(rows)}")
+    today = compose_config(["hardware=p3_16xlarge"]).hardware.device_img_s
+    print(f"with today's compute input ({today} img/s a V100) for every family:")
+    print(summary(checks(today)))
+    print("\n" + cpu_inputs())
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--all"]:
+        print_checks()
+    else:
+        main()
