@@ -41,7 +41,7 @@ from distrepro.prepare import prepare
 
 PARAMETERS = 25_557_032  # ResNet-50's (conf/model/resnet50.yaml)
 PASSES = 5
-UPDATES = 24  # gradients applied (and variables read) per pass: 2.4 GB
+UPDATES = 48  # gradients applied (and variables read) per pass: 4.9 GB
 
 PS_TASK = """
 import sys, tensorflow as tf
