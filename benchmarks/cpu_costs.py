@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from input_benchmark import one_thread
 import distrepro  # noqa: F401  (sets TF_USE_LEGACY_KERAS first)
 from distrepro.config import compose_config
 from distrepro.prepare import prepare
+from distrepro.processes import free_ports
 
 PARAMETERS = 25_557_032  # ResNet-50's (conf/model/resnet50.yaml)
 PASSES = 5
@@ -85,18 +85,12 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def ps_seconds() -> dict[str, list[float]]:
     """Core-seconds per byte of a ps task applying gradients and serving its
     variable, each pass."""
     import tensorflow as tf
 
-    ps_address, worker_address = free_address(), free_address()
+    ps_address, worker_address = (f"127.0.0.1:{port}" for port in free_ports(2))
     last = max(os.sched_getaffinity(0))
     task = subprocess.Popen(
         ["taskset", "-c", str(last), sys.executable, "-c", PS_TASK, ps_address, worker_address]

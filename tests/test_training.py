@@ -448,8 +448,8 @@ def test_the_final_model_is_in_mlflow_and_evaluates_as_the_checkpoint_does(
     assert model.status.to_proto() == LoggedModelStatus.READY.to_proto(), model.status
     assert model.name == "model" and model.model_id in model.model_uri
     evaluate = [PYTHON, "-m", "distrepro.evaluate", f"data.tfrecord_dir={digits_tfrecords}"]
-    evaluate += [f"results_dir={run_dir.parent}", "strategy.num_workers=1"]
-    evaluate += ["train.epochs=30", "train.steps_per_epoch=10", "train.log_model=true"]
+    evaluate += [f"results_dir={run_dir.parent}", "strategy.num_workers=1", "train.epochs=30"]
+    evaluate += ["train.steps_per_epoch=10", "train.log_model=true"]
 
     def evaluated() -> dict:
         subprocess.run(evaluate, check=True, cwd=REPO, env=outage_at_start["env"], timeout=300)

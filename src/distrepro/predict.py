@@ -14,6 +14,7 @@ the work of a vCPU of the machine that measured them.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -53,8 +54,13 @@ def links(hardware: DictConfig, hosts: int) -> costmodel.Links:
     )
 
 
+@functools.cache
+def cpu_costs() -> dict:
+    return json.loads(CPU_COSTS.read_text())
+
+
 def host_cpu(hardware: DictConfig, synthetic: bool) -> costmodel.HostCPU:
-    costs = json.loads(CPU_COSTS.read_text())
+    costs = cpu_costs()
     return costmodel.HostCPU(
         vcpus=hardware.host_vcpus,
         decode_s=0.0 if synthetic else costs["decode_s_per_image"],
@@ -197,7 +203,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cpu_inputs() -> str:
-    costs = json.loads(CPU_COSTS.read_text())
+    costs = cpu_costs()
     return (
         f"# {CPU_COSTS.relative_to(CONF_DIR.parent)}, `{costs['command']}` on {costs['cpu']} "
         f"({costs['date']}), a vCPU there for a vCPU here:\n"
