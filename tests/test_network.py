@@ -15,7 +15,7 @@ import mlflow
 import psutil
 import pytest
 import yaml
-from conftest import HOSTS_SH, REPO, SHALLOW, copy_repo, project_env, run
+from conftest import HOSTS_SH, REPO, copy_repo, project_env, run
 from omegaconf import DictConfig
 from PIL import Image
 
@@ -306,7 +306,7 @@ def network_grid(tmp_path_factory) -> Path:
     before = namespaces()
     repo = copy_repo(tmp_path_factory.mktemp("network") / "repo")
     config = ["bandwidths=50mbit", "workers=2", "seeds=1", "variants=best", f"grid={GRID}"]
-    config.append(f"overrides=train.epochs=2 train.log_model=false {SHALLOW}")
+    config.append("overrides=train.epochs=2 train.log_model=false")
     run(["snakemake", "--cores", "all", "network", "--config", *config], repo, timeout=1800)
     assert namespaces() == before
     return repo
@@ -348,12 +348,10 @@ def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(n
         for record, cfg in records
         if record["bandwidth"] == "50mbit"
     }
-    # fp16 gradients: half the bytes, give or take the counters' windows (a
-    # few % either way); uncompressed would be 1
-    for strategy in ("horovod", "multi_worker_mirrored"):
+    for strategy in ("horovod", "multi_worker_mirrored"):  # fp16 gradients: half the bytes
         halved = shaped[(strategy, True, "separate")]["measured"]["worker"]["sent"]
         full = shaped[(strategy, False, "separate")]["measured"]["worker"]["sent"]
-        assert 0.4 < halved / full < 0.6, (strategy, halved, full)
+        assert 0.45 < halved / full < 0.6, (strategy, halved, full)
     # the colocated, sharded ps: every worker's host link carries the same
     # bytes each way, the separate ps host's link all workers' reads
     colocated = shaped[("parameter_server", False, "colocated")]
