@@ -529,7 +529,7 @@ def test_horovod_over_mpi_is_one_pmix_step_on_both_nodes(
 ):
     results, log = tmp_path / "runs", tmp_path / "job.log"
     overrides = ("strategy=horovod", "strategy.controller=mpi", "strategy.workers_per_node=1")
-    launcher = launch_args(digits_tfrecords, results, *overrides, "train.epochs=2")
+    launcher = launch_args(digits_tfrecords, results, *overrides, "train.epochs=4")
     job = submit_training(slurm_cluster, launcher, log, mlflow_uri)
     assert state_at_end(slurm_cluster, job, log) == "COMPLETED", log.read_text()[-3000:]
     (metrics,) = [json.loads(p.read_text()) for p in results.glob("*/metrics.json")]
