@@ -230,6 +230,9 @@ def test_a_killed_launcher_leaves_no_process_and_the_run_resumes(
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["mlflow_run_id"] == first_id
     assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3]
+    if strategy == "parameter_server":  # each worker reads its own shards, and updates
+        by_worker = [h["updates_by_worker"] for h in metrics["history"]]
+        assert len({sum(counts) for counts in by_worker}) == 1 and min(map(min, by_worker)) > 0
     client = mlflow.MlflowClient(mlflow_uri)
     (experiment,) = [e for e in client.search_experiments() if e.name == "distrepro"]
     (run,) = client.search_runs([experiment.experiment_id])

@@ -300,6 +300,7 @@ class Coordinator(Distribution):
         self.images_per_update = images_per_update(cfg)
         self.updates_per_call = updates_per_call(cfg)
         self.tracing = []  # threads taking the workers' trace, joined at the end
+        self.calls = []  # the scheduled calls since updates_by_worker last counted them
 
     def processes_on_host(self) -> int:
         return processes(self.cfg)
@@ -324,8 +325,12 @@ class Coordinator(Distribution):
         cfg, strategy, per_worker = self.cfg, self.strategy, self.images_per_update
 
         def dataset_fn(context: tf.distribute.InputContext):
-            pipeline, pipelines = context.input_pipeline_id, context.num_input_pipelines
-            return make_dataset(cfg.data, "train", per_worker, pipeline, pipelines, cfg.seed)
+            # The context is the same on every worker (one pipeline in sync):
+            # each worker's own shards come from its index, as TF's guide shards.
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            workers = cfg.strategy.num_workers
+            batches = make_dataset(cfg.data, "train", per_worker, worker, workers, cfg.seed)
+            return batches.map(lambda images, labels: (images, labels, worker))  # whose batch
 
         def per_worker_dataset_fn():
             return strategy.distribute_datasets_from_function(dataset_fn)
@@ -336,15 +341,30 @@ class Coordinator(Distribution):
 
         @tf.function
         def train_steps(iterator):
+            worker = tf.constant(-1, tf.int64)
             for _ in tf.range(self.updates_per_call):
-                strategy.run(trainer.step, args=next(iterator))
+                images, labels, worker = next(iterator)
+                strategy.run(trainer.step, args=(images, labels))
+            return worker
 
         self.train_steps = train_steps
 
     def run_updates(self, count: int) -> None:
-        for _ in range(-(-count // self.updates_per_call)):
+        calls = [
             self.coordinator.schedule(self.train_steps, args=(self.batches,))
+            for _ in range(-(-count // self.updates_per_call))
+        ]
         self.coordinator.join()
+        self.calls += calls
+
+    def updates_by_worker(self) -> list[int]:
+        """Each worker's updates since the last call: a call ran on the worker
+        whose batches it read."""
+        counts = [0] * self.cfg.strategy.num_workers
+        for call in self.calls:
+            counts[int(call.fetch())] += self.updates_per_call
+        self.calls = []
+        return counts
 
     def count_correct(self):
         return self.trainer.count_correct(self.val_batches)

@@ -67,6 +67,11 @@ class Distribution:
         """[top-1, top-5, images] over the validation set, summed over workers."""
         raise NotImplementedError
 
+    def updates_by_worker(self) -> list[int] | None:
+        """Each worker's updates since the last call, where workers update at
+        their own pace; None where every update is every worker's."""
+        return None
+
     def workers(self) -> int:
         """How many workers take part now."""
         return self.cfg.strategy.num_workers

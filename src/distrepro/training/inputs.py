@@ -26,12 +26,6 @@ def read_metadata(tfrecord_dir: str) -> dict:
     return json.loads(path.read_text())
 
 
-def shard_files(tfrecord_dir: str, split: str, index: int, count: int) -> list[str]:
-    """This worker's files; every worker gets at least one when there are enough."""
-    files = sorted(str(p) for p in Path(tfrecord_dir).glob(f"{split}-*-of-*"))
-    return files[index::count] if len(files) >= count else files
-
-
 def parse(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     features = tf.io.parse_single_example(
         record,
@@ -76,20 +70,30 @@ def center_crop(encoded: tf.Tensor, size: int) -> tf.Tensor:
 def make_dataset(
     data_cfg, split: str, batch_size: int, index: int = 0, count: int = 1, seed: int = 0
 ) -> tf.data.Dataset:
-    """Batches of (0-255 image, 0-based label) for worker `index` of `count`."""
+    """Batches of (0-255 image, 0-based label) for worker `index` of `count`:
+    its share of the files, or of the records when there are fewer files than
+    workers, shuffled by its own seed. Under the parameter server, whose
+    workers all run one traced function, index is a tensor (TensorFlow's
+    current worker index), which cannot be a seed: there the workers differ
+    by their shares alone."""
     training = split == "train"
-    names = shard_files(data_cfg.tfrecord_dir, split, index, count)
+    names = sorted(str(p) for p in Path(data_cfg.tfrecord_dir).glob(f"{split}-*-of-*"))
     files = tf.data.Dataset.from_tensor_slices(names)
+    if len(names) >= count:
+        files = files.shard(count, index)
+    worker_seed = seed + index if isinstance(index, int) else seed
     if training:
-        files = files.shuffle(len(names), seed=seed + index).repeat()
+        files = files.shuffle(len(names), seed=worker_seed).repeat()
     records = files.interleave(
         tf.data.TFRecordDataset,
         cycle_length=4,
         num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=not training,
     )
+    if len(names) < count:
+        records = records.shard(count, index)
     if training:
-        records = records.shuffle(1024, seed=seed + index)
+        records = records.shuffle(1024, seed=worker_seed)
 
     def preprocess(record):
         encoded, label = parse(record)
@@ -99,7 +103,7 @@ def make_dataset(
                 data_cfg.image_size,
                 data_cfg.min_crop_area,
                 data_cfg.random_flip,
-                seed + index,
+                worker_seed,
             )
         else:
             image = center_crop(encoded, data_cfg.image_size)

@@ -86,6 +86,9 @@ def train_loop(
             record = epoch_record(
                 len(progress.history) + 1, trainer, correct, images_per_sec, end - progress.started
             ) | {"timed_window": [progress.timed_from, end]}
+            by_worker = distribution.updates_by_worker()
+            if by_worker is not None:
+                record["updates_by_worker"] = by_worker
             progress.history = [*progress.history, record | {"workers": progress.fewest_workers}]
             progress.batch = 0
             end_epoch(cfg, files, progress.history)
