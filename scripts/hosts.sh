@@ -5,12 +5,15 @@
 # address, /etc/hosts and ssh client config (`ip netns exec` mounts
 # /etc/netns/NS/* over /etc), and an sshd that accepts only this setup's key.
 # Each host's link to the switch can be shaped to a rate in both directions
-# (`tc tbf`: bandwidth only; these machines have no netem for delay).
+# (`tc tbf`: bandwidth only; these machines have no netem for delay), and each
+# host's CPU limited by a quota (a cgroup v1 `cpu` group per host, which every
+# process on the host joins: its sshd and what that starts).
 #
 #   scripts/hosts.sh up DIR [N [RATE]]     create node1..nodeN (default 2), links of RATE
 #                                          (tc's units: 10mbit, 1gbit; default unshaped);
 #                                          DIR keeps keys, configs, pids, the namespaces
 #   scripts/hosts.sh run DIR HOST COMMAND..  run COMMAND on HOST
+#   scripts/hosts.sh cpu DIR HOST CORES    limit HOST to CORES (0.25: a quarter of a core)
 #   scripts/hosts.sh down DIR              remove all that `up` made, also half-made, and stop
 #                                          every process left on the hosts
 #   scripts/hosts.sh down --stale          the same for every DIR whose owner has died
@@ -23,6 +26,8 @@
 set -Eeuo pipefail # -E: the ERR trap of `up` also fires inside functions
 
 SUBNET=10.247.0 # private, and only inside the namespaces
+CGROUPS=/sys/fs/cgroup/cpu
+PERIOD_US=100000 # the quota's period: the kernel's default
 REGISTRY=/run/distrepro-hosts # DIRs made by `up`, by their id; /run is emptied at boot
 
 action=${1:-}
@@ -33,9 +38,12 @@ SWITCH=$(namespace switch)
 
 address() { echo "$SUBNET.${1#node}"; }
 
-on_host() { # HOST COMMAND..: become COMMAND in HOST's network, mounts and host name
+cgroup() { echo "$CGROUPS/$(namespace "$1")"; }
+
+on_host() { # HOST COMMAND..: become COMMAND in HOST's network, mounts, host name and CPUs
   local host=$1
   shift
+  echo $BASHPID >"$(cgroup "$host")/cgroup.procs" # this (sub)shell, which then execs
   exec ip netns exec "$(namespace "$host")" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$host" "$@"
 }
 
@@ -92,6 +100,7 @@ up() {
     local ns=$(namespace "$host") port=port${host#node} cable=${host#node} etc
     echo "$ns" >>"$dir/namespaces"
     ip netns add "$ns"
+    mkdir "$(cgroup "$host")"
     ip -n "$ns" link set lo up
     # A cable from the host's eth0 to a port of the switch.
     ip link add "drp$id-p$cable" type veth peer name "drp$id-h$cable"
@@ -145,6 +154,12 @@ down() {
     ip netns del "$ns"
   done
   rm -rf /etc/netns/"drp$id"-*
+  local group
+  for group in "$CGROUPS/drp$id"-*; do
+    [ -d "$group" ] || continue
+    for pid in $(cat "$group/cgroup.procs"); do kill -9 "$pid" 2>/dev/null || true; done
+    for _ in 1 2 3 4 5 6 7 8 9 10; do rmdir "$group" 2>/dev/null && break || sleep 0.2; done
+  done
   # A cable made but not yet moved when `up` stopped half-way.
   local cable
   for cable in $(ip -o link show | grep -o "drp$id-[a-z0-9]*" | sort -u); do
@@ -174,6 +189,17 @@ up)
   trap 'down' ERR
   up "${@:3}"
   ;;
+cpu)
+  cores=${4:-}
+  [[ $cores =~ ^[0-9]+(\.[0-9]+)?$ ]] || {
+    echo "hosts.sh: cores ${cores:-(none)} is not a number (0.25, 1)" >&2
+    exit 2
+  }
+  quota=$(awk -v c="$cores" -v p=$PERIOD_US 'BEGIN { printf "%d", c * p }')
+  [ "$quota" -ge 1000 ] || { echo "hosts.sh: cores $cores is below the kernel's 1 ms a period" >&2; exit 2; }
+  echo $PERIOD_US >"$(cgroup "$3")/cpu.cfs_period_us"
+  echo "$quota" >"$(cgroup "$3")/cpu.cfs_quota_us"
+  ;;
 run)
   host=$3
   shift 3
@@ -183,7 +209,7 @@ down)
   if [ "${2:-}" = --stale ]; then down_stale; else down; fi
   ;;
 *)
-  echo "usage: $0 up|run|down DIR [N [RATE] | HOST COMMAND..] | down --stale" >&2
+  echo "usage: $0 up|run|cpu|down DIR [N [RATE] | HOST COMMAND.. | HOST CORES] | down --stale" >&2
   exit 2
   ;;
 esac
