@@ -2,6 +2,7 @@
 # snakemake --cores all sweep --config sweep="train.global_batch_size=32,64,128"
 # snakemake --cores all scaling --config workers="1,2,4"
 # snakemake --cores all network --config bandwidths="10mbit,100mbit,1gbit" workers=2   (as root)
+# snakemake --cores all stragglers --config slowdowns="1,2,4" workers=2   (as root)
 # Values come from Hydra (conf/); --config experiment=NAME overrides="k=v k=v".
 from snakemake.utils import min_version, validate
 
@@ -44,3 +45,8 @@ rule scaling:
 rule network:
     input:
         network_report,
+
+
+rule stragglers:
+    input:
+        stragglers_report,

@@ -99,6 +99,16 @@ def test_the_hosts_cpus_bound_a_step_on_hand_made_numbers():
     assert costmodel.cpu_time("parameter server", halves, cpu, 100, 200) == pytest.approx(1.0)
 
 
+def test_a_straggler_slows_a_synchronous_step_and_one_asynchronous_worker():
+    rate = costmodel.straggler_rate
+    assert rate("all-reduce", 100.0, 2, 4.0) == pytest.approx(
+        25.0
+    )  # compute-bound: the straggler's pace
+    assert rate("all-reduce", 100.0, 2, 4.0, exchange_share=0.5) == pytest.approx(40.0)
+    assert rate("parameter server", 100.0, 2, 4.0) == pytest.approx(62.5)  # 50 + 12.5
+    assert rate("parameter server", 100.0, 4, 1.0) == pytest.approx(100.0)
+
+
 def test_the_bytes_expected_of_resnet50_in_the_seeds_setting():
     counts = {"parameters": RESNET50, "trainable_parameters": RESNET50}
     horovod = compose_config(["experiment=aws_blog_8gpu", "strategy=horovod"])
@@ -180,6 +190,7 @@ def test_bytes_per_step_come_from_the_counters_over_the_timed_windows():
     [
         ("network.bandwidth=fast", "'fast' is not a rate in tc's units"),
         ("strategy.hosts='a:1,b:1'", "the network experiment places the processes itself"),
+        ("network.slowdown=0.5", "network.slowdown=0.5 must be at least 1"),
     ],
 )
 def test_bad_network_settings_are_refused_naming_them(override, refusal):
@@ -203,14 +214,16 @@ def test_without_root_the_network_target_refuses_saying_so():
     assert "network target" in dry.stdout + dry.stderr and "as root" in dry.stdout + dry.stderr
 
 
-def test_a_launcher_outside_the_experiments_hosts_refuses_a_bandwidth(tmp_path):
+@pytest.mark.parametrize("override", ["network.bandwidth=10mbit", "network.slowdown=4"])
+def test_a_launcher_outside_the_experiments_hosts_refuses_their_conditions(override):
     launched = subprocess.run(
-        [sys.executable, "-m", "distrepro.launch", "network.bandwidth=10mbit"],
+        [sys.executable, "-m", "distrepro.launch", override],
         cwd=REPO,
         capture_output=True,
         text=True,
     )
     assert launched.returncode != 0 and "python -m distrepro.network" in launched.stderr
+    assert override in launched.stderr
 
 
 def test_predict_prints_the_seeds_figures_beside_its_predictions():
@@ -414,6 +427,70 @@ def test_the_network_report_names_the_winners_and_compares_best_against_best(net
         ["50mbit", "unshaped"] * 2 * len(REGISTRY)
     )
     assert all("measured_worker_sent_mb_per_step" in r.data.metrics for r in trained)
+
+
+def test_the_stragglers_report_ranks_time_to_target_beside_the_model(tmp_path):
+    """Hand-made runs at slowdowns 1 and 4: the parameter server's straggler
+    makes a quarter of its updates, Horovod waits for its straggler."""
+    from distrepro import conditions_report
+
+    def run(strategy, slowdown, seed, rate, to_target, by_worker=None):
+        folder = tmp_path / f"{strategy}-{slowdown}-{seed}"
+        folder.mkdir()
+        history = [
+            {"epoch": e, "epoch_time_s": 64 * 10 / rate, "val_top1": 0.5 + 0.2 * e}
+            | ({"updates_by_worker": by_worker} if by_worker else {})
+            for e in (1, 2, 3)
+        ]
+        metrics = {
+            "strategy": strategy,
+            "setting": f"digits-{strategy}-{slowdown}",
+            "seed": seed,
+            "dataset": "digits",
+            "model": "small_resnet",
+            "precision": "fp32",
+            "global_batch_size": 64,
+            "num_workers": 2,
+            "epochs": 3,
+            "images_per_sec": rate,
+            "total_time_s": 3 * 64 * 10 / rate,
+            "best_top1": 0.95 + seed / 100,
+            "time_to_target_s": to_target,
+            "target_top1": 0.9,
+            "history": history,
+        }
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+        (folder / "network.json").write_text(json.dumps({"slowdown": slowdown}))
+        return str(folder)
+
+    runs = [
+        run("parameter_server", 1, 0, 100.0, 30.0, [10, 10]),
+        run("parameter_server", 1, 1, 102.0, 31.0, [10, 10]),
+        run("parameter_server", 4, 0, 61.0, 50.0, [16, 4]),
+        run("parameter_server", 4, 1, 63.0, 52.0, [16, 4]),
+        run("horovod", 1, 0, 120.0, 20.0),
+        run("horovod", 1, 1, 118.0, 21.0),
+        run("horovod", 4, 0, 31.0, 80.0),
+        run("horovod", 4, 1, 29.0, None),  # this seed did not reach the target
+    ]
+    out = tmp_path / "report"
+    conditions_report.main(["slowdown", str(out), *runs])
+    rows = json.loads((out / "conditions.json").read_text())["rows"]
+    at = {(r["strategy"], r["condition"]): r for r in rows}
+    assert at["horovod", 4.0]["predicted_images_per_sec"] == pytest.approx(119.0 / 4)
+    assert at["parameter_server", 4.0]["predicted_images_per_sec"] == pytest.approx(101.0 * 5 / 8)
+    # the straggler's own pace: 4 of 20 updates in an epoch of 6.4/0.62 s
+    assert at["parameter_server", 4.0]["straggler_updates_per_s"] == pytest.approx(
+        (4 / (640 / 61) + 4 / (640 / 63)) / 2
+    )
+    assert at["horovod", 4.0]["straggler_updates_per_s"] == pytest.approx(30.0 / 64)
+    text = (out / "report.md").read_text()
+    assert "horovod reached top-1 90% first at the straggler's slowdown 1x, in 20.5 s." in text
+    # Horovod's unreached seed leaves it unranked at 4x
+    assert "parameter_server reached top-1 90% first at the straggler's slowdown 4x" in text
+    assert "The parameter server reaches top-1 90% first at the straggler's slowdown 4x." in text
+    assert "1 of 2 reached" in text and "img/s" in text
+    assert Image.open(out / "throughput.png").size[0] > 0
 
 
 def test_the_report_orders_rates_and_finds_where_two_strategies_cross():

@@ -147,6 +147,7 @@ class ReportConfig:
 @dataclass
 class NetworkConfig:
     bandwidth: Optional[str] = None  # set: python -m distrepro.network (hosts of their own)
+    slowdown: Optional[float] = None  # the last worker's host, that many times slower
 
 
 @dataclass

@@ -60,6 +60,16 @@ a step is at least the busiest host's CPU time:
   each host's CPU time  its core-seconds / V
 
   img/s = global batch / max(time per step, the busiest host's CPU time).
+
+A straggler, one of the N workers k times slower (its host's CPU quota
+divided by k), from the img/s r measured with none, on the same links:
+
+  all-reduce            r / (k - (k - 1) e): a step waits for the slowest
+                        worker's compute, c k, and the exchange, a share e
+                        of the even step (e = 0 when compute-bound).
+  parameter server      r (N - 1 + 1/k) / N: each worker updates at its own
+                        pace, so their rates add up (within the ps links'
+                        limit, which the even run's r is already within).
 """
 
 from __future__ import annotations
@@ -221,3 +231,13 @@ def overlap(most: float, ready_within_s: float | None, compute_s: float) -> floa
 def gbit(value: float) -> float:
     """Gbit/s -> bytes/s."""
     return value * 1e9 / 8
+
+
+def straggler_rate(
+    exchange: str, even_rate: float, workers: int, slowdown: float, exchange_share: float = 0.0
+) -> float:
+    """img/s with one of the workers `slowdown` times slower, from even_rate
+    with none (see the module's formulas)."""
+    if exchange == "all-reduce":
+        return even_rate / (slowdown - (slowdown - 1) * exchange_share)
+    return even_rate * (workers - 1 + 1 / slowdown) / workers

@@ -24,11 +24,13 @@ from distrepro.processes import Restarts, TrainingFailed, end_with_parent
 
 
 def validate(cfg: DictConfig) -> None:
-    if cfg.network.bandwidth and ON_SHAPED_HOSTS not in os.environ:
-        raise ConfigError(
-            f"network.bandwidth={cfg.network.bandwidth}: a run on shaped links starts on hosts "
-            "of its own: `python -m distrepro.network` (as root) makes them and launches there"
-        )
+    for key in ("bandwidth", "slowdown"):
+        value = cfg.network[key]
+        if value is not None and ON_SHAPED_HOSTS not in os.environ:
+            raise ConfigError(
+                f"network.{key}={value}: a run on shaped links or CPUs starts on hosts of its "
+                "own: `python -m distrepro.network` (as root) makes them and launches there"
+            )
     validate_values(cfg)
     validate_devices(cfg.strategy)
     validate_nodes(cfg.strategy)

@@ -2,13 +2,16 @@
 namespaces joined by a switch (scripts/hosts.sh), each host's link shaped to
 network.bandwidth in both directions (`tc tbf`; "unshaped": none). node1, the
 head, runs the launcher, and with it the parameter server's ps tasks and
-coordinator; node2, node3.. a worker each.
+coordinator; node2, node3.. a worker each. With network.slowdown, each
+worker's host gets strategy.cores_per_worker cores by a CPU quota, the last
+one's divided by the slowdown: a straggler.
 
 Before training, the link's rate is measured (one TCP stream, node2 to
 node1); while training, the switch's port counters are sampled; afterwards
 run_dir/network.json holds what each host sent and received per step (a
 global batch) over the timed part of every epoch but the first, beside what
-the model's size implies (costmodel), and the MLflow run gets both.
+the model's size implies (costmodel), and the worker hosts' CPU quotas and
+the seconds the kernel held them back; the MLflow run gets the figures.
 
     python -m distrepro.network network.bandwidth=10mbit [OVERRIDES..]   (as root)
 """
@@ -80,6 +83,9 @@ def validate(cfg: DictConfig) -> None:
             f"network.bandwidth={bandwidth!r} is not a rate in tc's units (10mbit, 1gbit) "
             f"or {UNSHAPED!r}"
         )
+    slowdown = cfg.network.slowdown
+    if slowdown is not None and not slowdown >= 1:
+        raise NetworkError(f"network.slowdown={slowdown} must be at least 1 (1: no straggler)")
     if cfg.strategy.hosts != layout(cfg.strategy.num_workers):
         raise NetworkError(
             f"strategy.hosts={cfg.strategy.hosts!r}: the network experiment places the "
@@ -239,6 +245,30 @@ def worker_hosts(num_workers: int) -> list[str]:
     return [f"node{i + 2}" for i in range(num_workers)]
 
 
+def quotas(cfg: DictConfig) -> dict[str, float]:
+    """The cores of each worker's host under network.slowdown: the last one
+    is the straggler (never the parameter server's chief worker, nor
+    Horovod's rank 0); {} without a slowdown."""
+    if cfg.network.slowdown is None:
+        return {}
+    cores = {
+        host: float(cfg.strategy.cores_per_worker)
+        for host in worker_hosts(cfg.strategy.num_workers)
+    }
+    cores[max(cores, key=lambda host: int(host[len("node") :]))] /= cfg.network.slowdown
+    return cores
+
+
+def throttled_s(folder: Path, hosts: list[str]) -> dict[str, float]:
+    """Seconds each host's processes were held back by its CPU quota (cgroup v1)."""
+    groups = {ns.rsplit("-", 1)[1]: ns for ns in (folder / "namespaces").read_text().split()}
+    held = {}
+    for host in hosts:
+        stat = Path(f"/sys/fs/cgroup/cpu/{groups[host]}/cpu.stat").read_text().split()
+        held[host] = int(dict(zip(stat[::2], stat[1::2], strict=True))["throttled_time"]) / 1e9
+    return held
+
+
 def by_role(per_step: dict, num_workers: int, roles: dict) -> dict:
     """Measured bytes per step on a worker's link (their mean) and, where
     the roles have one, the separate ps host's (the head's)."""
@@ -306,6 +336,9 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
     hosts = str(cfg.strategy.num_workers + 1)
     try:
         subprocess.run(hosts_sh("up", folder, hosts, *rate), check=True)
+        cores = quotas(cfg)
+        for host, share in cores.items():
+            subprocess.run(hosts_sh("cpu", folder, host, f"{share:g}"), check=True)
         measured_rate = link_rate(folder)
         print(f"network: {cfg.network.bandwidth} links carry {measured_rate / 1e6:.2f} MB/s")
         launch = [sys.executable, "-m", "distrepro.launch", *overrides]
@@ -317,6 +350,7 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
                 stop([launcher])
         if code:
             raise SystemExit(f"network: the launcher exited with {code}")
+        held = throttled_s(folder, list(cores))
     finally:
         subprocess.run(hosts_sh("down", folder), check=True)
         shutil.rmtree(folder)
@@ -331,6 +365,8 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         "measured": by_role(moved["per_step"], cfg.strategy.num_workers, roles),
         "expected": roles,
         "reads_per_update": reads_per_update(cfg, metrics, moved["per_step"]),
+        "slowdown": cfg.network.slowdown,
+        "cpu": {host: {"cores": cores[host], "throttled_s": held[host]} for host in cores},
     }
     write_json_atomically(run_dir / "network.json", record)
     from distrepro import tracking  # mlflow: 2 s to import, not for the probe's receive/send

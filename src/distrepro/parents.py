@@ -1,5 +1,5 @@
 """Parent runs in MLflow: the run that a setting's seeds, or a sweep's, a
-scaling's or a network experiment's settings, are children of.
+scaling's, a network or a stragglers experiment's settings, are children of.
 
 A parent is first described: a folder holding parent.json (its experiment,
 tags, name and its own parent's folder), written by the workflow or by a

@@ -89,17 +89,28 @@ BANDWIDTHS = [b for b in config["bandwidths"].split(",") if b]
 GRID_BANDWIDTH = min(BANDWIDTHS, key=megabit) if BANDWIDTHS else None
 
 
-def network_point(strategy, workers, bandwidth, seed, variant=()):
-    """A run of the network target: traced, for the share of time communicating."""
+def hosts_point(strategy, workers, seed, *conditions):
+    """A run on the project's own hosts (distrepro.network) under conditions
+    (network.* overrides, a strategy's variant)."""
     return base_overrides() + [
         f"strategy={strategy}",
         f"strategy.num_workers={workers}",
         f"strategy.hosts='{layout(workers)}'",
+        *conditions,
+        f"seed={seed}",
+    ]
+
+
+def network_point(strategy, workers, bandwidth, seed, variant=()):
+    """A run of the network target: traced, for the share of time communicating."""
+    return hosts_point(
+        strategy,
+        workers,
+        seed,
         *variant,
         f"network.bandwidth={bandwidth}",
         "train.profile=true",
-        f"seed={seed}",
-    ]
+    )
 
 
 def network_workers(strategy):
@@ -128,6 +139,32 @@ def network_points():
                     for bandwidth in (GRID_BANDWIDTH, UNSHAPED)
                 ]
     return points
+
+
+SLOWDOWNS = [float(k) for k in str(config["slowdowns"]).split(",")]
+
+
+def stragglers_points():
+    """Each strategy at each worker count of `workers` (else its configured
+    one) on unshaped links, the last worker's host at each of `slowdowns`,
+    every seed."""
+    if min(SLOWDOWNS) < 1:
+        raise WorkflowError(
+            f"slowdowns={config['slowdowns']}: a slowdown must be at least 1 (1: none)"
+        )
+    return [
+        hosts_point(
+            strategy,
+            workers,
+            seed,
+            f"network.bandwidth={UNSHAPED}",
+            f"network.slowdown={slowdown:g}",
+        )
+        for strategy in STRATEGIES
+        for workers in network_workers(strategy)
+        for slowdown in SLOWDOWNS
+        for seed in SEEDS
+    ]
 
 
 def best_points(best_json):
@@ -160,6 +197,9 @@ NETWORK_ID = group_id(
     config["grid"] if config["variants"] == "best" else "",
 )
 NETWORK_SCOPE = f"network/{NETWORK_ID}"
+STRAGGLERS_ID = group_id(
+    config["experiment"], config["overrides"], config["workers"], SLOWDOWNS, SEEDS
+)
 RUNS = {}  # run -> (overrides, config), the first group's overrides for a shared run
 GROUP_RUNS = {}  # the runs of each group, by the results/ folder of its report
 
@@ -213,15 +253,29 @@ def network_runs():
         raise WorkflowError(f"the network target: {error}") from None
 
 
+@functools.cache
+def stragglers_runs():
+    """The stragglers target's runs, composed only when it is asked for."""
+    try:
+        refused = refusal()
+        if refused:
+            raise WorkflowError(refused)
+        return add_group(f"stragglers/{STRAGGLERS_ID}", stragglers_points())
+    except WorkflowError as error:
+        raise WorkflowError(f"the stragglers target: {error}") from None
+
+
 def run_config(wildcards):
     return run_entry(wildcards.run)[1]
 
 
 def run_entry(run):
     """(overrides, config) of a run: of reproduce, a sweep, a scaling, or the
-    network target's (composed on first need)."""
-    if run not in RUNS:
-        network_runs()
+    network or the stragglers target's (composed on first need)."""
+    for compose in (network_runs, stragglers_runs):
+        if run in RUNS:
+            break
+        compose()
     return RUNS[run]
 
 
@@ -263,9 +317,12 @@ def outer_parent_spec(wildcards):
 
 
 def group_kind(wildcards):
-    return {"sweeps": "sweep", "scaling": "scaling", "network": "network"}[
-        wildcards.kind
-    ]
+    return {
+        "sweeps": "sweep",
+        "scaling": "scaling",
+        "network": "network",
+        "stragglers": "stragglers",
+    }[wildcards.kind]
 
 
 def plan_of(wildcards):
@@ -363,6 +420,15 @@ def scaling_report(wildcards):
 def network_report(wildcards):
     network_runs()
     return f"results/network/{NETWORK_ID}/report/report.md"
+
+
+def stragglers_report(wildcards):
+    stragglers_runs()
+    return f"results/stragglers/{STRAGGLERS_ID}/report/report.md"
+
+
+def stragglers_inputs(wildcards):
+    return [f"results/runs/{run}/network.json" for run in stragglers_runs()]
 
 
 def grid_inputs(wildcards):

@@ -77,3 +77,30 @@ rule network_report:
         winners=lambda wildcards, input: f"--winners {input.best}" if input.best else "",
     shell:
         "python -m distrepro.network_report {params.winners} results/network/{wildcards.id}/report {params.runs} > {log} 2>&1"
+
+
+# The stragglers target's report: its runs against the slowdown
+# (distrepro.conditions_report).
+rule stragglers_report:
+    input:
+        stragglers_inputs,
+    output:
+        md="results/stragglers/{id}/report/report.md",
+        curves=report(
+            "results/stragglers/{id}/report/throughput.png",
+            category="Stragglers",
+            caption="../report/stragglers.rst",
+        ),
+        summary="results/stragglers/{id}/report/conditions.json",
+    log:
+        "logs/report/stragglers/{id}.log",
+    benchmark:
+        "results/benchmarks/report/stragglers/{id}.tsv"
+    wildcard_constraints:
+        id="[0-9a-f]+",
+    conda:
+        "../../environment.yml"
+    params:
+        runs=lambda wildcards, input: " ".join(str(Path(f).parent) for f in input),
+    shell:
+        "python -m distrepro.conditions_report slowdown results/stragglers/{wildcards.id}/report {params.runs} > {log} 2>&1"

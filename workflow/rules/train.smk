@@ -36,9 +36,10 @@ rule train:
         "exec python -m distrepro.launch {params.overrides} > {log} 2>&1"
 
 
-# A run of the network experiment: the same training on hosts of its own,
-# joined by links of its network.bandwidth (distrepro.network, as root); it
-# also writes the run's metrics.json.
+# A run on the project's own hosts (distrepro.network, as root): the same
+# training, on links of its network.bandwidth and, with network.slowdown,
+# under CPU quotas (the network and stragglers targets); it also writes the
+# run's metrics.json.
 rule network_train:
     input:
         unpack(train_inputs),
@@ -73,7 +74,7 @@ rule group_parent:
     benchmark:
         "results/benchmarks/group_parent/{kind}/{id}.tsv"
     wildcard_constraints:
-        kind="sweeps|scaling|network",
+        kind="sweeps|scaling|network|stragglers",
         id="[0-9a-f]+",
     conda:
         "../../environment.yml"
@@ -94,7 +95,7 @@ rule setting_parent:
     benchmark:
         "results/benchmarks/setting_parent/{scope}/{setting}.tsv"
     wildcard_constraints:
-        scope="reproduce|(sweeps|scaling|network)/[0-9a-f]+",
+        scope="reproduce|(sweeps|scaling|network|stragglers)/[0-9a-f]+",
     conda:
         "../../environment.yml"
     params:
