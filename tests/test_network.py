@@ -15,7 +15,7 @@ import mlflow
 import psutil
 import pytest
 import yaml
-from conftest import HOSTS_SH, REPO, copy_repo, project_env, run
+from conftest import HOSTS_SH, REPO, SHALLOW, copy_repo, project_env, run
 from omegaconf import DictConfig
 from PIL import Image
 
@@ -427,6 +427,55 @@ def test_the_network_report_names_the_winners_and_compares_best_against_best(net
         ["50mbit", "unshaped"] * 2 * len(REGISTRY)
     )
     assert all("measured_worker_sent_mb_per_step" in r.data.metrics for r in trained)
+
+
+def cpu_groups() -> set[str]:
+    return {group.name for group in Path("/sys/fs/cgroup/cpu").glob("drp*")}
+
+
+@pytest.fixture(scope="module")
+def stragglers(network_grid) -> Path:
+    """`snakemake stragglers` at slowdowns 1 and 4, one seed, two epochs of
+    the shallow ResNet, in the network grid's copy (its data prepared)."""
+    before = namespaces()
+    config = ["slowdowns=1,4", "workers=2", "seeds=1"]
+    config.append(f"overrides=train.epochs=2 train.log_model=false {SHALLOW}")
+    run(["snakemake", "--cores", "all", "stragglers", "--config", *config], network_grid, 1800)
+    assert namespaces() == before and not cpu_groups()  # nothing left behind
+    return network_grid
+
+
+@pytest.mark.slow
+def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies(stragglers):
+    repo = stragglers
+    records = [
+        (json.loads(path.read_text()), json.loads((path.parent / "metrics.json").read_text()))
+        for path in repo.glob("results/runs/*/network.json")
+        if json.loads(path.read_text()).get("slowdown")
+    ]
+    assert sorted((m["strategy"], r["slowdown"]) for r, m in records) == sorted(
+        (s, k) for s in REGISTRY for k in (1.0, 4.0)
+    )
+    for record, metrics in records:
+        cores = {host: cpu["cores"] for host, cpu in record["cpu"].items()}
+        assert cores == {"node2": 1.0, "node3": 1.0 / record["slowdown"]}, record["cpu"]
+        if record["slowdown"] == 4.0:  # the kernel held the straggler back
+            assert record["cpu"]["node3"]["throttled_s"] > 0.5, (metrics["strategy"], record)
+        if metrics["strategy"] == "parameter_server" and record["slowdown"] == 4.0:
+            fast, slow = (
+                sum(h["updates_by_worker"][i] for h in metrics["history"]) for i in (0, 1)
+            )
+            assert slow < fast, metrics["history"]  # asynchronous: it makes fewer updates
+    (report_dir,) = repo.glob("results/stragglers/*/report")
+    report = (report_dir / "report.md").read_text()
+    assert "## Slowdown 1x" in report and "## Slowdown 4x" in report
+    for strategy in REGISTRY:
+        assert report.count(f"| {strategy} (b64, 2 workers) | 1 |") == 2, report
+    rows = json.loads((report_dir / "conditions.json").read_text())["rows"]
+    assert all(r["predicted_images_per_sec"] > 0 for r in rows)
+    assert report.count("horovod (b64, 2 workers) against parameter_server (b64, 2") == 2
+    with Image.open(report_dir / "throughput.png") as image:
+        image.load()
 
 
 def test_the_stragglers_report_ranks_time_to_target_beside_the_model(tmp_path):
