@@ -3,6 +3,7 @@
 # snakemake --cores all scaling --config workers="1,2,4"
 # snakemake --cores all network --config bandwidths="10mbit,100mbit,1gbit" workers=2   (as root)
 # snakemake --cores all stragglers --config slowdowns="1,2,4" workers=2   (as root)
+# snakemake --cores all churn --config kill_intervals="30,60" workers=2   (as root)
 # Values come from Hydra (conf/); --config experiment=NAME overrides="k=v k=v".
 from snakemake.utils import min_version, validate
 
@@ -50,3 +51,8 @@ rule network:
 rule stragglers:
     input:
         stragglers_report,
+
+
+rule churn:
+    input:
+        churn_report,

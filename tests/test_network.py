@@ -478,48 +478,64 @@ def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies
         image.load()
 
 
+def hand_made_run(folder: Path, strategy: str, seed: int, rate: float, reach: int | None, **record):
+    """A run's metrics.json and network.json: 3 epochs of 10 s x 100/rate after a
+    5 s start, the target reached at epoch `reach` (None: never), wall time 40 s
+    unless record says."""
+    folder.mkdir()
+    epoch_s = 1000 / rate
+    history = [
+        {
+            "epoch": e,
+            "epoch_time_s": epoch_s,
+            "val_top1": 0.95 if reach and e >= reach else 0.5,
+            "timed_window": [5.0 + (e - 1) * epoch_s, 5.0 + e * epoch_s],
+        }
+        | ({"updates_by_worker": record["by_worker"]} if "by_worker" in record else {})
+        for e in (1, 2, 3)
+    ]
+    metrics = {
+        "strategy": strategy,
+        "setting": f"digits-{strategy}-{folder.name[:-2]}",
+        "seed": seed,
+        "dataset": "digits",
+        "model": "small_resnet",
+        "precision": "fp32",
+        "global_batch_size": 64,
+        "num_workers": 2,
+        "epochs": 3,
+        "images_per_sec": rate,
+        "total_time_s": 3 * epoch_s,
+        "best_top1": 0.95 + seed / 100,
+        "target_top1": 0.9,
+        "history": history,
+    }
+    network_record = {"launched_at": 0.0, "wall_s": 40.0, "kills": []} | record
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "network.json").write_text(json.dumps(network_record))
+    return str(folder)
+
+
 def test_the_stragglers_report_ranks_time_to_target_beside_the_model(tmp_path):
     """Hand-made runs at slowdowns 1 and 4: the parameter server's straggler
-    makes a quarter of its updates, Horovod waits for its straggler."""
+    makes a fifth of its updates, Horovod waits for its straggler."""
     from distrepro import conditions_report
 
-    def run(strategy, slowdown, seed, rate, to_target, by_worker=None):
-        folder = tmp_path / f"{strategy}-{slowdown}-{seed}"
-        folder.mkdir()
-        history = [
-            {"epoch": e, "epoch_time_s": 64 * 10 / rate, "val_top1": 0.5 + 0.2 * e}
-            | ({"updates_by_worker": by_worker} if by_worker else {})
-            for e in (1, 2, 3)
-        ]
-        metrics = {
-            "strategy": strategy,
-            "setting": f"digits-{strategy}-{slowdown}",
-            "seed": seed,
-            "dataset": "digits",
-            "model": "small_resnet",
-            "precision": "fp32",
-            "global_batch_size": 64,
-            "num_workers": 2,
-            "epochs": 3,
-            "images_per_sec": rate,
-            "total_time_s": 3 * 64 * 10 / rate,
-            "best_top1": 0.95 + seed / 100,
-            "time_to_target_s": to_target,
-            "target_top1": 0.9,
-            "history": history,
-        }
-        (folder / "metrics.json").write_text(json.dumps(metrics))
-        (folder / "network.json").write_text(json.dumps({"slowdown": slowdown}))
-        return str(folder)
+    def run(strategy, slowdown, seed, rate, reach, by_worker=None):
+        more = {"by_worker": by_worker} if by_worker else {}
+        name = f"{strategy}-{slowdown}-{seed}"
+        return hand_made_run(
+            tmp_path / name, strategy, seed, rate, reach, slowdown=slowdown, **more
+        )
 
     runs = [
-        run("parameter_server", 1, 0, 100.0, 30.0, [10, 10]),
-        run("parameter_server", 1, 1, 102.0, 31.0, [10, 10]),
-        run("parameter_server", 4, 0, 61.0, 50.0, [16, 4]),
-        run("parameter_server", 4, 1, 63.0, 52.0, [16, 4]),
-        run("horovod", 1, 0, 120.0, 20.0),
-        run("horovod", 1, 1, 118.0, 21.0),
-        run("horovod", 4, 0, 31.0, 80.0),
+        run("parameter_server", 1, 0, 100.0, 2, [10, 10]),
+        run("parameter_server", 1, 1, 102.0, 2, [10, 10]),
+        run("parameter_server", 4, 0, 61.0, 2, [16, 4]),
+        run("parameter_server", 4, 1, 63.0, 2, [16, 4]),
+        run("horovod", 1, 0, 120.0, 2),
+        run("horovod", 1, 1, 118.0, 2),
+        run("horovod", 4, 0, 31.0, 3),
         run("horovod", 4, 1, 29.0, None),  # this seed did not reach the target
     ]
     out = tmp_path / "report"
@@ -528,18 +544,61 @@ def test_the_stragglers_report_ranks_time_to_target_beside_the_model(tmp_path):
     at = {(r["strategy"], r["condition"]): r for r in rows}
     assert at["horovod", 4.0]["predicted_images_per_sec"] == pytest.approx(119.0 / 4)
     assert at["parameter_server", 4.0]["predicted_images_per_sec"] == pytest.approx(101.0 * 5 / 8)
-    # the straggler's own pace: 4 of 20 updates in an epoch of 6.4/0.62 s
+    # the straggler's own pace: 4 updates in each epoch of 1000/61 and 1000/63 s
     assert at["parameter_server", 4.0]["straggler_updates_per_s"] == pytest.approx(
-        (4 / (640 / 61) + 4 / (640 / 63)) / 2
+        (4 * 61 / 1000 + 4 * 63 / 1000) / 2
     )
     assert at["horovod", 4.0]["straggler_updates_per_s"] == pytest.approx(30.0 / 64)
+    # from the launch: 5 s, then two epochs of 1000/119.. s
+    assert at["horovod", 1.0]["time_to_target_s"] == pytest.approx(
+        5 + (2000 / 120 + 2000 / 118) / 2
+    )
     text = (out / "report.md").read_text()
-    assert "horovod reached top-1 90% first at the straggler's slowdown 1x, in 20.5 s." in text
+    assert "## Slowdown 1x" in text and "## Slowdown 4x" in text
+    assert "horovod reached top-1 90% first at the straggler's slowdown 1x" in text
     # Horovod's unreached seed leaves it unranked at 4x
     assert "parameter_server reached top-1 90% first at the straggler's slowdown 4x" in text
     assert "The parameter server reaches top-1 90% first at the straggler's slowdown 4x." in text
-    assert "1 of 2 reached" in text and "img/s" in text
-    assert Image.open(out / "throughput.png").size[0] > 0
+    assert "1 of 2 reached" in text and "29.8 (+1%)" in text  # Horovod at 4x: 30 against 29.75
+    with Image.open(out / "throughput.png") as image:
+        image.load()
+
+
+def test_the_churn_report_counts_what_each_kill_cost_beside_the_model(tmp_path):
+    """Hand-made runs without kills and with a kill every 30 s: Horovod
+    restarts from its checkpoint, the parameter server's worker rejoins."""
+    from distrepro import conditions_report
+
+    def run(strategy, seed, wall_s, kills, interval=None):
+        name = f"{strategy}-{interval}-{seed}"
+        kill = {"at_s": 12.0, "host": "node3", "pids": [1], "processes": ["python -m distrepro"]}
+        record = {"kill_interval_s": interval, "wall_s": wall_s, "kills": [kill] * kills}
+        return hand_made_run(tmp_path / name, strategy, seed, 100.0, 3, **record)
+
+    runs = [
+        run("parameter_server", 0, 40.0, 0),
+        run("parameter_server", 1, 42.0, 0),
+        run("parameter_server", 0, 45.0, 2, 30),
+        run("parameter_server", 1, 47.0, 2, 30),
+        run("horovod", 0, 40.0, 0),
+        run("horovod", 1, 40.0, 0),
+        run("horovod", 0, 70.0, 2, 30),
+        run("horovod", 1, 60.0, 1, 30),
+    ]
+    out = tmp_path / "report"
+    conditions_report.main(["kill_interval_s", str(out), *runs])
+    rows = json.loads((out / "conditions.json").read_text())["rows"]
+    at = {(r["strategy"], r["condition"]): r for r in rows}
+    assert at["parameter_server", 30.0]["lost_per_kill_s"] == pytest.approx(2.5)  # (5 + 5) / 2 / 2
+    assert at["horovod", 30.0]["lost_per_kill_s"] == pytest.approx((30 / 2 + 20 / 1) / 2)
+    assert at["horovod", 30.0]["kills"] == pytest.approx(1.5)
+    # start-up 5 s and epochs of 10 s: a restart from a checkpoint 5 + 10/2, a ps worker's 5/2
+    assert at["horovod", 30.0]["predicted_lost_per_kill_s"] == pytest.approx(10.0)
+    assert at["parameter_server", 30.0]["predicted_lost_per_kill_s"] == pytest.approx(2.5)
+    text = (out / "report.md").read_text()
+    assert "## Mean interval between kills: none" in text
+    assert "## Mean interval between kills: 30 s" in text
+    assert "| 2.0 | 2.5 (model 2.5) |" in text
 
 
 def test_the_report_orders_rates_and_finds_where_two_strategies_cross():

@@ -148,6 +148,9 @@ class ReportConfig:
 class NetworkConfig:
     bandwidth: Optional[str] = None  # set: python -m distrepro.network (hosts of their own)
     slowdown: Optional[float] = None  # the last worker's host, that many times slower
+    kill_interval_s: Optional[float] = None  # the last worker killed this often on average
+    kill_seed: int = 0
+    max_kills: int = 3
 
 
 @dataclass

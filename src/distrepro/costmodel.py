@@ -70,6 +70,14 @@ divided by k), from the img/s r measured with none, on the same links:
   parameter server      r (N - 1 + 1/k) / N: each worker updates at its own
                         pace, so their rates add up (within the ps links'
                         limit, which the even run's r is already within).
+
+A lost worker (killed; the others are not), with t the time a training
+takes to start and E an epoch's time, both measured without kills:
+
+  restart from the last checkpoint (each epoch's end; the synchronous
+  strategies)           t + E/2 lost a kill, on average
+  parameter server      t / N: the others go on while the killed worker's
+                        task starts again, and the coordinator reruns its step
 """
 
 from __future__ import annotations
@@ -241,3 +249,10 @@ def straggler_rate(
     if exchange == "all-reduce":
         return even_rate / (slowdown - (slowdown - 1) * exchange_share)
     return even_rate * (workers - 1 + 1 / slowdown) / workers
+
+
+def seconds_lost_per_kill(exchange: str, start_up_s: float, epoch_s: float, workers: int) -> float:
+    """Seconds a training loses when one worker is killed (see the module's formulas)."""
+    if exchange == "all-reduce":
+        return start_up_s + epoch_s / 2
+    return start_up_s / workers

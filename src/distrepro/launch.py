@@ -24,7 +24,7 @@ from distrepro.processes import Restarts, TrainingFailed, end_with_parent
 
 
 def validate(cfg: DictConfig) -> None:
-    for key in ("bandwidth", "slowdown"):
+    for key in ("bandwidth", "slowdown", "kill_interval_s"):
         value = cfg.network[key]
         if value is not None and ON_SHAPED_HOSTS not in os.environ:
             raise ConfigError(

@@ -4,20 +4,24 @@ network.bandwidth in both directions (`tc tbf`; "unshaped": none). node1, the
 head, runs the launcher, and with it the parameter server's ps tasks and
 coordinator; node2, node3.. a worker each. With network.slowdown, each
 worker's host gets strategy.cores_per_worker cores by a CPU quota, the last
-one's divided by the slowdown: a straggler.
+one's divided by the slowdown: a straggler. With network.kill_interval_s,
+the last worker's training processes are killed at random times
+(distrepro.kills), and each strategy recovers its own way.
 
 Before training, the link's rate is measured (one TCP stream, node2 to
 node1); while training, the switch's port counters are sampled; afterwards
 run_dir/network.json holds what each host sent and received per step (a
 global batch) over the timed part of every epoch but the first, beside what
-the model's size implies (costmodel), and the worker hosts' CPU quotas and
-the seconds the kernel held them back; the MLflow run gets the figures.
+the model's size implies (costmodel), the worker hosts' CPU quotas and the
+seconds the kernel held them back, the kills and the launcher's restarts;
+the MLflow run gets the figures.
 
     python -m distrepro.network network.bandwidth=10mbit [OVERRIDES..]   (as root)
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -38,6 +42,7 @@ from distrepro import costmodel, strategies
 from distrepro.atomic import write_json_atomically
 from distrepro.config import REPO, compose_config, run_name, sweep_axes
 from distrepro.handoff import ON_SHAPED_HOSTS
+from distrepro.kills import Kills
 from distrepro.processes import end_with_parent, start, stop
 
 HOSTS_SH = str(REPO / "scripts" / "hosts.sh")
@@ -86,6 +91,25 @@ def validate(cfg: DictConfig) -> None:
     slowdown = cfg.network.slowdown
     if slowdown is not None and not slowdown >= 1:
         raise NetworkError(f"network.slowdown={slowdown} must be at least 1 (1: no straggler)")
+    validate_kills(cfg)
+
+
+def validate_kills(cfg: DictConfig) -> None:
+    net, train_cfg = cfg.network, cfg.train
+    if net.kill_interval_s is None:
+        return
+    if not net.kill_interval_s > 0:
+        raise NetworkError(f"network.kill_interval_s={net.kill_interval_s} must be above 0")
+    if not 1 <= net.max_kills <= train_cfg.max_restarts:
+        raise NetworkError(
+            f"network.max_kills={net.max_kills} must be at least 1 and at most "
+            f"train.max_restarts={train_cfg.max_restarts}, past which a run gives up"
+        )
+    if cfg.strategy.num_workers < 2:
+        raise NetworkError(
+            f"strategy.num_workers={cfg.strategy.num_workers}: kills never hit the chief's "
+            "host, the first worker's; give at least 2 workers"
+        )
     if cfg.strategy.hosts != layout(cfg.strategy.num_workers):
         raise NetworkError(
             f"strategy.hosts={cfg.strategy.hosts!r}: the network experiment places the "
@@ -245,23 +269,32 @@ def worker_hosts(num_workers: int) -> list[str]:
     return [f"node{i + 2}" for i in range(num_workers)]
 
 
+def last_worker_host(num_workers: int) -> str:
+    """Where the straggler is and the kills hit: never the chief's host (the
+    first worker's: TensorFlow's chief worker, Horovod's rank 0), nor the
+    parameter server's head."""
+    return worker_hosts(num_workers)[-1]
+
+
 def quotas(cfg: DictConfig) -> dict[str, float]:
-    """The cores of each worker's host under network.slowdown: the last one
-    is the straggler (never the parameter server's chief worker, nor
-    Horovod's rank 0); {} without a slowdown."""
+    """The cores of each worker's host under network.slowdown, the last
+    one's divided by it; {} without a slowdown."""
     if cfg.network.slowdown is None:
         return {}
-    cores = {
-        host: float(cfg.strategy.cores_per_worker)
-        for host in worker_hosts(cfg.strategy.num_workers)
-    }
-    cores[max(cores, key=lambda host: int(host[len("node") :]))] /= cfg.network.slowdown
+    n = cfg.strategy.num_workers
+    cores = {host: float(cfg.strategy.cores_per_worker) for host in worker_hosts(n)}
+    cores[last_worker_host(n)] /= cfg.network.slowdown
     return cores
+
+
+def host_namespaces(folder: Path) -> dict[str, str]:
+    """Each host's network namespace, also the name of its cgroup."""
+    return {ns.rsplit("-", 1)[1]: ns for ns in (folder / "namespaces").read_text().split()}
 
 
 def throttled_s(folder: Path, hosts: list[str]) -> dict[str, float]:
     """Seconds each host's processes were held back by its CPU quota (cgroup v1)."""
-    groups = {ns.rsplit("-", 1)[1]: ns for ns in (folder / "namespaces").read_text().split()}
+    groups = host_namespaces(folder)
     held = {}
     for host in hosts:
         stat = Path(f"/sys/fs/cgroup/cpu/{groups[host]}/cpu.stat").read_text().split()
@@ -318,6 +351,18 @@ def reads_per_update(cfg: DictConfig, metrics: dict, per_step: dict) -> float | 
     return sum(reads) / n
 
 
+def kill_schedule(cfg: DictConfig, folder: Path):
+    """network.kill_interval_s's kills of the last worker's training
+    processes while the launcher runs (Kills), or nothing."""
+    if cfg.network.kill_interval_s is None:
+        return contextlib.nullcontext()
+    host = last_worker_host(cfg.strategy.num_workers)
+    net = cfg.network
+    return Kills(
+        host_namespaces(folder)[host], host, net.kill_interval_s, net.kill_seed, net.max_kills
+    )
+
+
 def train(cfg: DictConfig, overrides: list[str]) -> Path:
     """Make the hosts, measure the link, train on them, take the counters
     down with everything else; write and log run_dir/network.json."""
@@ -342,12 +387,14 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         measured_rate = link_rate(folder)
         print(f"network: {cfg.network.bandwidth} links carry {measured_rate / 1e6:.2f} MB/s")
         launch = [sys.executable, "-m", "distrepro.launch", *overrides]
-        with Counters(folder) as counters:
+        launched_at = time.time()
+        with Counters(folder) as counters, kill_schedule(cfg, folder) as kills:
             launcher = start(hosts_sh("run", folder, HEAD, *launch), {ON_SHAPED_HOSTS: "1"})
             try:
                 code = launcher.wait()
             finally:
                 stop([launcher])
+        wall_s = time.time() - launched_at
         if code:
             raise SystemExit(f"network: the launcher exited with {code}")
         held = throttled_s(folder, list(cores))
@@ -355,6 +402,7 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         subprocess.run(hosts_sh("down", folder), check=True)
         shutil.rmtree(folder)
     metrics = json.loads((run_dir / "metrics.json").read_text())
+    restarts = run_dir / "restarts.json"
     moved = bytes_per_step(counters, metrics["history"], cfg.train.global_batch_size)
     roles = expected(cfg, metrics)
     record = {
@@ -367,6 +415,11 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         "reads_per_update": reads_per_update(cfg, metrics, moved["per_step"]),
         "slowdown": cfg.network.slowdown,
         "cpu": {host: {"cores": cores[host], "throttled_s": held[host]} for host in cores},
+        "launched_at": launched_at,
+        "wall_s": wall_s,
+        "kill_interval_s": cfg.network.kill_interval_s,
+        "kills": kills.records if kills else [],
+        "recoveries": json.loads(restarts.read_text()) if restarts.exists() else [],
     }
     write_json_atomically(run_dir / "network.json", record)
     from distrepro import tracking  # mlflow: 2 s to import, not for the probe's receive/send

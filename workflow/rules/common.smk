@@ -167,6 +167,27 @@ def stragglers_points():
     ]
 
 
+KILL_INTERVALS = [float(s) for s in str(config["kill_intervals"]).split(",")]
+
+
+def churn_points():
+    """Each strategy at each worker count of `workers` (else its configured
+    one) on unshaped links, without kills and with the last worker killed
+    every each of `kill_intervals` seconds on average, every seed."""
+    if min(KILL_INTERVALS) <= 0:
+        raise WorkflowError(
+            f"kill_intervals={config['kill_intervals']}: an interval must be above 0"
+        )
+    kills = [[]] + [[f"network.kill_interval_s={s:g}"] for s in KILL_INTERVALS]
+    return [
+        hosts_point(strategy, workers, seed, f"network.bandwidth={UNSHAPED}", *kill)
+        for strategy in STRATEGIES
+        for workers in network_workers(strategy)
+        for kill in kills
+        for seed in SEEDS
+    ]
+
+
 def best_points(best_json):
     """Each strategy's winners (results/network/<id>/best.json): the grid's
     shaped winner at every shaped rate, its unshaped winner unshaped, every
@@ -199,6 +220,9 @@ NETWORK_ID = group_id(
 NETWORK_SCOPE = f"network/{NETWORK_ID}"
 STRAGGLERS_ID = group_id(
     config["experiment"], config["overrides"], config["workers"], SLOWDOWNS, SEEDS
+)
+CHURN_ID = group_id(
+    config["experiment"], config["overrides"], config["workers"], KILL_INTERVALS, SEEDS
 )
 RUNS = {}  # run -> (overrides, config), the first group's overrides for a shared run
 GROUP_RUNS = {}  # the runs of each group, by the results/ folder of its report
@@ -241,28 +265,31 @@ EXPERIMENT = RUNS[GROUP_RUNS["reproduce"][0]][1].mlflow_experiment
 
 @functools.cache
 def network_runs():
-    """The network target's runs, composed only when the target is asked for:
-    what it cannot run (on this machine, or its traced runs' epochs of fewer
-    than 15 updates) stops that target alone, saying why."""
+    """The network target's runs (hosts_runs): also its traced runs' epochs of
+    fewer than 15 updates stop it alone, saying why."""
+    return hosts_runs("network", NETWORK_SCOPE, network_points)
+
+
+def hosts_runs(target, scope, points):
+    """An experiment's runs on the project's own hosts, composed only when
+    its target is asked for: what cannot run stops that target alone."""
     try:
         refused = refusal()
         if refused:
             raise WorkflowError(refused)
-        return add_group(NETWORK_SCOPE, network_points())
+        return add_group(scope, points())
     except WorkflowError as error:
-        raise WorkflowError(f"the network target: {error}") from None
+        raise WorkflowError(f"the {target} target: {error}") from None
 
 
 @functools.cache
 def stragglers_runs():
-    """The stragglers target's runs, composed only when it is asked for."""
-    try:
-        refused = refusal()
-        if refused:
-            raise WorkflowError(refused)
-        return add_group(f"stragglers/{STRAGGLERS_ID}", stragglers_points())
-    except WorkflowError as error:
-        raise WorkflowError(f"the stragglers target: {error}") from None
+    return hosts_runs("stragglers", f"stragglers/{STRAGGLERS_ID}", stragglers_points)
+
+
+@functools.cache
+def churn_runs():
+    return hosts_runs("churn", f"churn/{CHURN_ID}", churn_points)
 
 
 def run_config(wildcards):
@@ -271,8 +298,8 @@ def run_config(wildcards):
 
 def run_entry(run):
     """(overrides, config) of a run: of reproduce, a sweep, a scaling, or the
-    network or the stragglers target's (composed on first need)."""
-    for compose in (network_runs, stragglers_runs):
+    network, stragglers or churn target's (composed on first need)."""
+    for compose in (network_runs, stragglers_runs, churn_runs):
         if run in RUNS:
             break
         compose()
@@ -322,6 +349,7 @@ def group_kind(wildcards):
         "scaling": "scaling",
         "network": "network",
         "stragglers": "stragglers",
+        "churn": "churn",
     }[wildcards.kind]
 
 
@@ -427,8 +455,15 @@ def stragglers_report(wildcards):
     return f"results/stragglers/{STRAGGLERS_ID}/report/report.md"
 
 
-def stragglers_inputs(wildcards):
-    return [f"results/runs/{run}/network.json" for run in stragglers_runs()]
+def churn_report(wildcards):
+    churn_runs()
+    return f"results/churn/{CHURN_ID}/report/report.md"
+
+
+def conditions_inputs(wildcards):
+    """The runs of a stragglers or a churn experiment."""
+    runs = {"stragglers": stragglers_runs, "churn": churn_runs}[wildcards.kind]()
+    return [f"results/runs/{run}/network.json" for run in runs]
 
 
 def grid_inputs(wildcards):

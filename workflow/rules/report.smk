@@ -79,28 +79,33 @@ rule network_report:
         "python -m distrepro.network_report {params.winners} results/network/{wildcards.id}/report {params.runs} > {log} 2>&1"
 
 
-# The stragglers target's report: its runs against the slowdown
-# (distrepro.conditions_report).
-rule stragglers_report:
+# The stragglers and churn targets' reports: their runs against the slowdown
+# or the mean interval between kills (distrepro.conditions_report).
+rule conditions_report:
     input:
-        stragglers_inputs,
+        conditions_inputs,
     output:
-        md="results/stragglers/{id}/report/report.md",
+        md="results/{kind}/{id}/report/report.md",
         curves=report(
-            "results/stragglers/{id}/report/throughput.png",
-            category="Stragglers",
-            caption="../report/stragglers.rst",
+            "results/{kind}/{id}/report/throughput.png",
+            category="Conditions",
+            caption="../report/conditions.rst",
         ),
-        summary="results/stragglers/{id}/report/conditions.json",
+        summary="results/{kind}/{id}/report/conditions.json",
     log:
-        "logs/report/stragglers/{id}.log",
+        "logs/report/{kind}/{id}.log",
     benchmark:
-        "results/benchmarks/report/stragglers/{id}.tsv"
+        "results/benchmarks/report/{kind}/{id}.tsv"
     wildcard_constraints:
+        kind="stragglers|churn",
         id="[0-9a-f]+",
     conda:
         "../../environment.yml"
     params:
+        condition=lambda wildcards: {
+            "stragglers": "slowdown",
+            "churn": "kill_interval_s",
+        }[wildcards.kind],
         runs=lambda wildcards, input: " ".join(str(Path(f).parent) for f in input),
     shell:
-        "python -m distrepro.conditions_report slowdown results/stragglers/{wildcards.id}/report {params.runs} > {log} 2>&1"
+        "python -m distrepro.conditions_report {params.condition} results/{wildcards.kind}/{wildcards.id}/report {params.runs} > {log} 2>&1"

@@ -38,8 +38,9 @@ rule train:
 
 # A run on the project's own hosts (distrepro.network, as root): the same
 # training, on links of its network.bandwidth and, with network.slowdown,
-# under CPU quotas (the network and stragglers targets); it also writes the
-# run's metrics.json.
+# under CPU quotas, with network.kill_interval_s, losing a worker now and then
+# (the network, stragglers and churn targets); it also writes the run's
+# metrics.json.
 rule network_train:
     input:
         unpack(train_inputs),
@@ -74,7 +75,7 @@ rule group_parent:
     benchmark:
         "results/benchmarks/group_parent/{kind}/{id}.tsv"
     wildcard_constraints:
-        kind="sweeps|scaling|network|stragglers",
+        kind="sweeps|scaling|network|stragglers|churn",
         id="[0-9a-f]+",
     conda:
         "../../environment.yml"
@@ -95,7 +96,7 @@ rule setting_parent:
     benchmark:
         "results/benchmarks/setting_parent/{scope}/{setting}.tsv"
     wildcard_constraints:
-        scope="reproduce|(sweeps|scaling|network|stragglers)/[0-9a-f]+",
+        scope="reproduce|(sweeps|scaling|network|stragglers|churn)/[0-9a-f]+",
     conda:
         "../../environment.yml"
     params:
