@@ -201,6 +201,21 @@ def test_bad_network_settings_are_refused_naming_them(override, refusal):
         network.validate(cfg)
 
 
+@pytest.mark.parametrize(
+    "overrides, refusal",
+    [
+        (["network.kill_interval_s=0"], "network.kill_interval_s=0.0 must be above 0"),
+        (["network.kill_interval_s=30", "network.max_kills=4"], "at most train.max_restarts=3"),
+        (["network.kill_interval_s=30", "strategy.num_workers=1"], "never hit the chief's"),
+    ],
+)
+def test_bad_kill_schedules_are_refused_naming_them(overrides, refusal):
+    cfg = compose_config(["network.bandwidth=unshaped", *overrides])
+    cfg.strategy.hosts = network.layout(cfg.strategy.num_workers)
+    with pytest.raises(network.NetworkError, match=refusal):
+        network.validate(cfg)
+
+
 def test_without_root_the_network_target_refuses_saying_so():
     as_user = ["unshare", "--user", "--map-user=1000"]
     dry = subprocess.run(
