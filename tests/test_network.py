@@ -300,7 +300,7 @@ def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_one
         text=True,
     )
     try:
-        assert "links carry" in killed.stdout.readline()  # its hosts are up
+        assert "hosts up" in killed.stdout.readline()
         (left,) = [
             link.resolve()
             for link in Path("/run/distrepro-hosts").iterdir()
@@ -450,10 +450,11 @@ def cpu_groups() -> set[str]:
 
 @pytest.fixture(scope="module")
 def stragglers(network_grid) -> Path:
-    """`snakemake stragglers` at slowdowns 1 and 4, one seed, two epochs of
-    the shallow ResNet, in the network grid's copy (its data prepared)."""
+    """`snakemake stragglers` at slowdowns 1 and 2 (a quarter of a core takes
+    a minute to start TensorFlow), one seed, two epochs of the shallow
+    ResNet, in the network grid's copy (its data prepared)."""
     before = namespaces()
-    config = ["slowdowns=1,4", "workers=2", "seeds=1"]
+    config = ["slowdowns=1,2", "workers=2", "seeds=1"]
     config.append(f"overrides=train.epochs=2 train.log_model=false {SHALLOW}")
     run(["snakemake", "--cores", "all", "stragglers", "--config", *config], network_grid, 1800)
     assert namespaces() == before and not cpu_groups()  # nothing left behind
@@ -469,21 +470,21 @@ def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies
         if json.loads(path.read_text()).get("slowdown")
     ]
     assert sorted((m["strategy"], r["slowdown"]) for r, m in records) == sorted(
-        (s, k) for s in REGISTRY for k in (1.0, 4.0)
+        (s, k) for s in REGISTRY for k in (1.0, 2.0)
     )
     for record, metrics in records:
         cores = {host: cpu["cores"] for host, cpu in record["cpu"].items()}
         assert cores == {"node2": 1.0, "node3": 1.0 / record["slowdown"]}, record["cpu"]
-        if record["slowdown"] == 4.0:  # the kernel held the straggler back
+        if record["slowdown"] == 2.0:  # the kernel held the straggler back
             assert record["cpu"]["node3"]["throttled_s"] > 0.5, (metrics["strategy"], record)
-        if metrics["strategy"] == "parameter_server" and record["slowdown"] == 4.0:
+        if metrics["strategy"] == "parameter_server" and record["slowdown"] == 2.0:
             fast, slow = (
                 sum(h["updates_by_worker"][i] for h in metrics["history"]) for i in (0, 1)
             )
             assert slow < fast, metrics["history"]  # asynchronous: it makes fewer updates
     (report_dir,) = repo.glob("results/stragglers/*/report")
     report = (report_dir / "report.md").read_text()
-    assert "## Slowdown 1x" in report and "## Slowdown 4x" in report
+    assert "## At slowdown 1x" in report and "## At slowdown 2x" in report
     for strategy in REGISTRY:
         assert report.count(f"| {strategy} (b64, 2 workers) | 1 |") == 2, report
     rows = json.loads((report_dir / "conditions.json").read_text())["rows"]
@@ -491,6 +492,46 @@ def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies
     assert report.count("horovod (b64, 2 workers) against parameter_server (b64, 2") == 2
     with Image.open(report_dir / "throughput.png") as image:
         image.load()
+
+
+@pytest.fixture(scope="module")
+def churn(network_grid) -> Path:
+    """`snakemake churn` with a kill every 5 s on average, at most one, one
+    seed, three epochs of the shallow ResNet, in the network grid's copy."""
+    before = namespaces()
+    config = ["kill_intervals=5", "workers=2", "seeds=1"]
+    config.append(f"overrides=train.epochs=3 train.log_model=false network.max_kills=1 {SHALLOW}")
+    run(["snakemake", "--cores", "all", "churn", "--config", *config], network_grid, 1800)
+    assert namespaces() == before and not cpu_groups()
+    return network_grid
+
+
+@pytest.mark.slow
+def test_each_strategy_recovers_from_a_killed_worker_and_the_report_counts_the_cost(churn):
+    repo = churn
+    records = [  # the churn target's runs: the only ones of network.max_kills=1
+        (json.loads(path.read_text()), json.loads((path.parent / "metrics.json").read_text()))
+        for path in repo.glob("results/runs/*/network.json")
+        if load(path.parent / "config.yaml").network.max_kills == 1
+    ]
+    churned = [(r, m) for r, m in records if r["kill_interval_s"] == 5]
+    calm = [(r, m) for r, m in records if r["kill_interval_s"] is None]
+    assert sorted(m["strategy"] for _, m in churned) == sorted(REGISTRY)
+    assert sorted(m["strategy"] for _, m in calm) == sorted(REGISTRY)
+    for record, metrics in churned:
+        (kill,) = record["kills"]  # at most one
+        assert kill["host"] == "node3" and all("distrepro" in p for p in kill["processes"])
+        assert record["recoveries"], (metrics["strategy"], record)  # each recovered its own way
+        assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3]
+        assert metrics["top1"] > 0.2, metrics["history"]  # chance is 0.1
+    for record, _ in calm:
+        assert record["kills"] == [] and record["recoveries"] == []
+    (report_dir,) = repo.glob("results/churn/*/report")
+    report = (report_dir / "report.md").read_text()
+    assert "## Without kills" in report and "## With a kill every 5 s on average" in report
+    rows = json.loads((report_dir / "conditions.json").read_text())["rows"]
+    killed = [r for r in rows if r["condition"] == 5]
+    assert len(killed) == len(REGISTRY) and all("lost_per_kill_s" in r for r in killed)
 
 
 def hand_made_run(folder: Path, strategy: str, seed: int, rate: float, reach: int | None, **record):
@@ -569,11 +610,11 @@ def test_the_stragglers_report_ranks_time_to_target_beside_the_model(tmp_path):
         5 + (2000 / 120 + 2000 / 118) / 2
     )
     text = (out / "report.md").read_text()
-    assert "## Slowdown 1x" in text and "## Slowdown 4x" in text
-    assert "horovod reached top-1 90% first at the straggler's slowdown 1x" in text
+    assert "## At slowdown 1x" in text and "## At slowdown 4x" in text
+    assert "horovod reached top-1 90% first at slowdown 1x" in text
     # Horovod's unreached seed leaves it unranked at 4x
-    assert "parameter_server reached top-1 90% first at the straggler's slowdown 4x" in text
-    assert "The parameter server reaches top-1 90% first at the straggler's slowdown 4x." in text
+    assert "parameter_server reached top-1 90% first at slowdown 4x" in text
+    assert "The parameter server reaches top-1 90% first at slowdown 4x." in text
     assert "1 of 2 reached" in text and "29.8 (+1%)" in text  # Horovod at 4x: 30 against 29.75
     with Image.open(out / "throughput.png") as image:
         image.load()
@@ -611,8 +652,7 @@ def test_the_churn_report_counts_what_each_kill_cost_beside_the_model(tmp_path):
     assert at["horovod", 30.0]["predicted_lost_per_kill_s"] == pytest.approx(10.0)
     assert at["parameter_server", 30.0]["predicted_lost_per_kill_s"] == pytest.approx(2.5)
     text = (out / "report.md").read_text()
-    assert "## Mean interval between kills: none" in text
-    assert "## Mean interval between kills: 30 s" in text
+    assert "## Without kills" in text and "## With a kill every 30 s on average" in text
     assert "| 2.0 | 2.5 (model 2.5) |" in text
 
 

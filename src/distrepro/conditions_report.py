@@ -94,21 +94,22 @@ def kill_figures(group: list[dict], value: float, neutral: list[dict]) -> dict:
 @dataclass(frozen=True)
 class Condition:
     name: str  # what it is, in a sentence
-    heading: str  # what it is, before its value
+    at: str  # a run's condition, "{}" its value
     neutral: float  # its value in the runs the model starts from
     unit: str
     columns: tuple[str, ...]  # its own, after img/s
     figures: Callable[[list[dict], float, list[dict]], dict]  # theirs, and their cells
     about: str  # how the runs were made and the model reads them
 
-    def show(self, value: float) -> str:
-        return "none" if math.isinf(value) else f"{value:g}{self.unit}"
+    def phrase(self, value: float) -> str:
+        """The condition at value, in words: "at slowdown 4x", "without kills"."""
+        return "without kills" if math.isinf(value) else self.at.format(f"{value:g}{self.unit}")
 
 
 CONDITIONS = {
     "slowdown": Condition(
         "the straggler's slowdown",
-        "Slowdown",
+        "at slowdown {}",
         1.0,
         "x",
         ("model img/s (error)", "straggler updates/s"),
@@ -120,7 +121,7 @@ CONDITIONS = {
     ),
     "kill_interval_s": Condition(
         "the mean interval between kills",
-        "Mean interval between kills:",
+        "with a kill every {} on average",
         math.inf,
         " s",
         ("kills", "s lost a kill"),
@@ -195,7 +196,7 @@ def rows(values: dict[float, dict[str, list[dict]]], condition: Condition) -> li
 def fastest(value_rows: list[dict], condition: Condition, value: float, target: float) -> str:
     """Which strategy reaches the target first at one value of the condition
     (only strategies whose every seed reached it are ranked)."""
-    at = f"at {condition.name} {condition.show(value)}"
+    at = condition.phrase(value)
     ranked = [
         r for r in value_rows if r["time_to_target_s"] is not None and r["reached"] == r["seeds"]
     ]
@@ -208,23 +209,20 @@ def fastest(value_rows: list[dict], condition: Condition, value: float, target: 
 
 def where_ps_wins(table: list[dict], condition: Condition, target: float) -> str:
     """The sentence the experiment is for."""
-    wins = []
-    for value in sorted({r["condition"] for r in table}):
+    wins, values = [], sorted({r["condition"] for r in table})
+    for value in values:
         here = [r for r in table if r["condition"] == value and r["reached"] == r["seeds"]]
         here = [r for r in here if r["time_to_target_s"] is not None]
         if (
             here
             and min(here, key=lambda r: r["time_to_target_s"])["strategy"] == strategies.BASELINE
         ):
-            wins.append(condition.show(value))
+            wins.append(condition.phrase(value))
     if wins:
-        return (
-            f"The parameter server reaches top-1 {target:.0%} first at {condition.name} "
-            f"{', '.join(wins)}."
-        )
+        return f"The parameter server reaches top-1 {target:.0%} first {' and '.join(wins)}."
     return (
-        f"At no {condition.name} of these runs does the parameter server reach top-1 "
-        f"{target:.0%} first."
+        f"The parameter server reaches top-1 {target:.0%} first under none of these "
+        f"conditions: {', '.join(condition.phrase(v) for v in sorted(values))}."
     )
 
 
@@ -282,7 +280,8 @@ def write(key: str, out_dir: Path, runs: list[dict]) -> None:
     ]
     for value, groups in values.items():
         value_rows = [r for r in table if r["condition"] == value]
-        lines += ["", f"## {condition.heading} {condition.show(value)}", ""]
+        phrase = condition.phrase(value)
+        lines += ["", f"## {phrase[0].upper()}{phrase[1:]}", ""]
         cells = [[r["setting"], str(r["seeds"]), *r["cells"]] for r in value_rows]
         lines.append(report.markdown_table(cells, columns))
         lines += ["", fastest(value_rows, condition, value, target)]

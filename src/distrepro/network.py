@@ -92,6 +92,14 @@ def validate(cfg: DictConfig) -> None:
     if slowdown is not None and not slowdown >= 1:
         raise NetworkError(f"network.slowdown={slowdown} must be at least 1 (1: no straggler)")
     validate_kills(cfg)
+    if cfg.strategy.hosts != layout(cfg.strategy.num_workers):
+        raise NetworkError(
+            f"strategy.hosts={cfg.strategy.hosts!r}: the network experiment places the "
+            f"processes itself ({layout(cfg.strategy.num_workers)!r}); leave it unset"
+        )
+    refused = refusal()
+    if refused:
+        raise NetworkError(refused)
 
 
 def validate_kills(cfg: DictConfig) -> None:
@@ -110,14 +118,6 @@ def validate_kills(cfg: DictConfig) -> None:
             f"strategy.num_workers={cfg.strategy.num_workers}: kills never hit the chief's "
             "host, the first worker's; give at least 2 workers"
         )
-    if cfg.strategy.hosts != layout(cfg.strategy.num_workers):
-        raise NetworkError(
-            f"strategy.hosts={cfg.strategy.hosts!r}: the network experiment places the "
-            f"processes itself ({layout(cfg.strategy.num_workers)!r}); leave it unset"
-        )
-    refused = refusal()
-    if refused:
-        raise NetworkError(refused)
 
 
 def refusal() -> str | None:
@@ -384,8 +384,9 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         cores = quotas(cfg)
         for host, share in cores.items():
             subprocess.run(hosts_sh("cpu", folder, host, f"{share:g}"), check=True)
-        measured_rate = link_rate(folder)
-        print(f"network: {cfg.network.bandwidth} links carry {measured_rate / 1e6:.2f} MB/s")
+        measured_rate = link_rate(folder) if rate else None  # unshaped: nothing to predict from
+        carry = f"{rate[0]} links carry {measured_rate / 1e6:.2f} MB/s" if rate else "unshaped"
+        print(f"network: hosts up; {carry}", flush=True)
         launch = [sys.executable, "-m", "distrepro.launch", *overrides]
         launched_at = time.time()
         with Counters(folder) as counters, kill_schedule(cfg, folder) as kills:
