@@ -34,7 +34,7 @@ class Kills:
     `namespace`) in a thread, from `started` on; `records` holds each kill:
     seconds since the launch, the host, the processes."""
 
-    def __init__(self, namespace: str, host: str, interval_s: float, seed: int, most: int):
+    def __init__(self, namespace: str, host: str, interval_s: float, seed: str, most: int):
         self.namespace, self.host, self.most = namespace, host, most
         self.interval_s, self.random = interval_s, random.Random(seed)
         self.records: list[dict] = []

@@ -356,15 +356,13 @@ def kill_schedule(cfg: DictConfig, folder: Path):
     processes while the launcher runs (Kills), or nothing."""
     if cfg.network.kill_interval_s is None:
         return contextlib.nullcontext()
-    host = last_worker_host(cfg.strategy.num_workers)
-    net = cfg.network
-    return Kills(
-        host_namespaces(folder)[host], host, net.kill_interval_s, net.kill_seed, net.max_kills
-    )
+    host, net = last_worker_host(cfg.strategy.num_workers), cfg.network
+    schedule = f"{net.kill_seed}/{cfg.seed}"  # each strategy the same kills at a seed
+    return Kills(host_namespaces(folder)[host], host, net.kill_interval_s, schedule, net.max_kills)
 
 
 def train(cfg: DictConfig, overrides: list[str]) -> Path:
-    """Make the hosts, measure the link, train on them, take the counters
+    """Make the hosts, measure a shaped link, train on them, take the counters
     down with everything else; write and log run_dir/network.json."""
     run_dir = Path(cfg.results_dir) / run_name(cfg)
     if (run_dir / "network.json").exists():
