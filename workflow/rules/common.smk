@@ -172,8 +172,8 @@ KILL_INTERVALS = [float(s) for s in str(config["kill_intervals"]).split(",")]
 
 def churn_points():
     """Each strategy at each worker count of `workers` (else its configured
-    one) on unshaped links, without kills and with the last worker killed
-    every each of `kill_intervals` seconds on average, every seed."""
+    one) on unshaped links, without kills and at each of `kill_intervals`
+    (the mean seconds between kills of the last worker), every seed."""
     if min(KILL_INTERVALS) <= 0:
         raise WorkflowError(
             f"kill_intervals={config['kill_intervals']}: an interval must be above 0"
