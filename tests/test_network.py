@@ -453,11 +453,11 @@ def stragglers(network_grid) -> Path:
     """`snakemake stragglers` at slowdowns 1 and 2 (a quarter of a core takes
     a minute to start TensorFlow), one seed, two epochs of the shallow
     ResNet, in the network grid's copy (its data prepared)."""
-    before = namespaces()
+    before = namespaces(), cpu_groups()  # the session's own hosts stay
     config = ["slowdowns=1,2", "workers=2", "seeds=1"]
     config.append(f"overrides=train.epochs=2 train.log_model=false {SHALLOW}")
     run(["snakemake", "--cores", "all", "stragglers", "--config", *config], network_grid, 1800)
-    assert namespaces() == before and not cpu_groups()  # nothing left behind
+    assert (namespaces(), cpu_groups()) == before  # nothing left behind
     return network_grid
 
 
@@ -498,11 +498,11 @@ def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies
 def churn(network_grid) -> Path:
     """`snakemake churn` with a kill every 5 s on average, at most one, one
     seed, three epochs of the shallow ResNet, in the network grid's copy."""
-    before = namespaces()
+    before = namespaces(), cpu_groups()
     config = ["kill_intervals=5", "workers=2", "seeds=1"]
     config.append(f"overrides=train.epochs=3 train.log_model=false network.max_kills=1 {SHALLOW}")
     run(["snakemake", "--cores", "all", "churn", "--config", *config], network_grid, 1800)
-    assert namespaces() == before and not cpu_groups()
+    assert (namespaces(), cpu_groups()) == before
     return network_grid
 
 
