@@ -478,9 +478,8 @@ def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies
         if record["slowdown"] == 2.0:  # the kernel held the straggler back
             assert record["cpu"]["node3"]["throttled_s"] > 0.5, (metrics["strategy"], record)
         if metrics["strategy"] == "parameter_server" and record["slowdown"] == 2.0:
-            fast, slow = (
-                sum(h["updates_by_worker"][i] for h in metrics["history"]) for i in (0, 1)
-            )
+            later = metrics["history"][1:]  # the first epoch's counts are the start-up's
+            fast, slow = (sum(h["updates_by_worker"][i] for h in later) for i in (0, 1))
             assert slow < fast, metrics["history"]  # asynchronous: it makes fewer updates
     (report_dir,) = repo.glob("results/stragglers/*/report")
     report = (report_dir / "report.md").read_text()
