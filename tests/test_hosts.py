@@ -1,6 +1,7 @@
 """Several machines, proven on one: two hosts in network namespaces, each
-with its own name, address and sshd (scripts/hosts.sh), and the parameter
-server and Horovod (Gloo and MPI) training across them."""
+with its own name, address and sshd (scripts/hosts.sh), Horovod over MPI,
+and the parameter server and TensorFlow's all-reduce started by TF_CONFIG,
+training across them."""
 
 from __future__ import annotations
 
@@ -51,30 +52,16 @@ def train_on_node1(
     return mlflow.get_run(metrics["mlflow_run_id"]).data.params
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
-def test_horovod_trains_across_two_hosts(
-    two_hosts, digits_tfrecords, tmp_path, mlflow_uri, controller
+# Horovod over Gloo, the parameter server and TensorFlow's all-reduce by
+# strategy.hosts, each on hosts of its own: the conditions runs of test_network.
+def test_horovod_over_mpi_trains_across_two_hosts(
+    two_hosts, digits_tfrecords, tmp_path, mlflow_uri
 ):
-    overrides = ["strategy=horovod", f"strategy.controller={controller}"]
+    overrides = ["strategy=horovod", "strategy.controller=mpi"]
     params = train_on_node1(
         two_hosts, digits_tfrecords, tmp_path, *overrides, "strategy.hosts='node1:1,node2:1'"
     )
     assert params["devices"] == "rank 0 on node1: cpu; rank 1 on node2: cpu"
-
-
-def test_the_parameter_server_trains_across_two_hosts(
-    two_hosts, digits_tfrecords, tmp_path, mlflow_uri
-):
-    params = train_on_node1(
-        two_hosts,
-        digits_tfrecords,
-        tmp_path,
-        "strategy=parameter_server",
-        "strategy.hosts='node1:1,node2:1'",
-    )
-    # each task names its host itself (see parameter_server.task_hosts)
-    where = "worker:0 on node1; worker:1 on node2; ps:0 on node1; coordinator on node1"
-    assert params["hosts"] == where
 
 
 def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_config(
@@ -107,20 +94,6 @@ def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_c
             task.wait()
     where = "worker:0 on node1; worker:1 on node2; ps:0 on node2; coordinator on node1"
     assert params["hosts"] == where
-
-
-def test_tensorflows_all_reduce_trains_across_two_hosts(
-    two_hosts, digits_tfrecords, tmp_path, mlflow_uri
-):
-    params = train_on_node1(
-        two_hosts,
-        digits_tfrecords,
-        tmp_path,
-        "strategy=multi_worker_mirrored",
-        "strategy.hosts='node1:1,node2:1'",
-    )
-    assert params["devices"] == "worker 0 on node1: cpu; worker 1 on node2: cpu"
-    assert params["communication"] == "RING"
 
 
 def test_tensorflows_all_reduce_trains_across_hosts_that_each_launch_their_worker(

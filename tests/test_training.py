@@ -679,36 +679,23 @@ def kill_after_first_checkpoint(args: list[str], results: Path, task: str):
 
 
 def is_task(proc: psutil.Process, task: str) -> bool:
-    """A parameter-server task ("worker 1", "ps 0"), a Horovod rank ("rank"),
-    the process horovodrun started as rank N ("rank N"), or TensorFlow's
-    all-reduce worker N ("tf worker N")."""
+    """A parameter-server task ("worker 1", "ps 0") or the process horovodrun
+    started as rank N ("rank N")."""
     if " ".join(proc.cmdline()[-3:-1]) == task:
         return True
-    if "distrepro.strategies.multi_worker_mirrored" in proc.cmdline()[1:3]:
-        index = json.loads(proc.environ().get("TF_CONFIG", "{}")).get("task", {}).get("index")
-        return task == f"tf worker {index}"
     if not task.startswith("rank") or "distrepro.strategies.horovod" not in proc.cmdline()[1:3]:
         return False
-    return task == "rank" or task == f"rank {proc.environ().get('HOROVOD_RANK')}"
+    return task == f"rank {proc.environ().get('HOROVOD_RANK')}"
 
 
-@pytest.mark.parametrize(
-    "strategy, task, cause",
-    [
-        ("parameter_server", "worker 1", "task worker:1"),
-        ("parameter_server", "ps 0", "task ps:0"),
-        ("horovod", "rank", "horovodrun exited"),
-        ("multi_worker_mirrored", "tf worker 1", "worker 1 (pid"),
-    ],
-)
-def test_a_run_survives_a_killed_process(
-    digits_tfrecords, tmp_path, mlflow_uri, strategy, task, cause
-):
+def test_a_run_survives_a_killed_ps_task(digits_tfrecords, tmp_path, mlflow_uri):
+    """A ps task killed: the launcher starts it again and the workers go on.
+    (A killed worker of each strategy: the churn test, on hosts of their own.)"""
     results = tmp_path / "runs"
-    args = launch_args(digits_tfrecords, results, f"strategy={strategy}", "train.epochs=4")
-    code, output = kill_after_first_checkpoint(args, results, task)
+    args = launch_args(digits_tfrecords, results, "strategy=parameter_server", "train.epochs=4")
+    code, output = kill_after_first_checkpoint(args, results, "ps 0")
     assert code == 0, output[-3000:]
-    assert cause in output and "restart 1 of at most 3" in output
+    assert "task ps:0" in output and "restart 1 of at most 3" in output
     (metrics,) = [json.loads(p.read_text()) for p in results.glob("*/metrics.json")]
     assert [h["epoch"] for h in metrics["history"]] == [1, 2, 3, 4]
     assert metrics["top1"] > 0.5, metrics["history"]  # chance is 0.1
