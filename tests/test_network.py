@@ -553,6 +553,9 @@ def test_each_strategy_recovers_from_a_killed_worker_and_the_report_counts_the_c
     rows = json.loads((report_dir / "conditions.json").read_text())["rows"]
     killed = [r for r in rows if r["condition"] == 5]
     assert len(killed) == len(REGISTRY) and all("lost_per_kill_s" in r for r in killed)
+    # the model's figure beside each, from the runs without kills (the
+    # stragglers' model has no runs without a straggler here: its unit test)
+    assert all(r["predicted_lost_per_kill_s"] > 0 for r in killed)
 
 
 def hand_made_run(folder: Path, strategy: str, seed: int, rate: float, reach: int | None, **record):
