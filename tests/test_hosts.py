@@ -284,7 +284,7 @@ def test_a_host_of_no_slots_carries_the_ps_tasks_and_no_worker(tmp_path):
     from distrepro.strategies import horovod, parameter_server
 
     listed = "strategy.hosts='head:0,a:1,b:1'"
-    cfg = compose_config(["strategy=parameter_server", listed])
+    cfg = compose_config(["strategy=parameter_server", listed, "strategy.ps_placement=separate"])
     validate_values(cfg)
     assert parameter_server.placement(cfg) == {"worker:0": "a", "worker:1": "b", "ps:0": "head"}
     command = horovod.command(compose_config(["strategy=horovod", listed]), tmp_path / "c.yaml")
@@ -295,7 +295,7 @@ def test_colocated_ps_tasks_sit_beside_each_workers_host_with_their_share():
     from distrepro.strategies import parameter_server
 
     listed = "strategy.hosts='head:0,a:1,b:1'"
-    cfg = compose_config(["strategy=parameter_server", listed, "strategy.ps_placement=colocated"])
+    cfg = compose_config(["strategy=parameter_server", listed])  # across machines: colocated
     validate_values(cfg)
     assert parameter_server.placement(cfg) == {
         "worker:0": "a",
@@ -306,8 +306,34 @@ def test_colocated_ps_tasks_sit_beside_each_workers_host_with_their_share():
     assert parameter_server.processes(cfg) == 2 + 2 + 1
     assert parameter_server.host_shares(cfg, {"ps:0": 0.7, "ps:1": 0.3}) == (0.7, 0.3)
     assert parameter_server.host_shares(cfg) == (0.5, 0.5)  # unmeasured: even
-    separate = compose_config(["strategy=parameter_server", listed])
+    separate = ["strategy=parameter_server", listed, "strategy.ps_placement=separate"]
+    separate = compose_config(separate)
     assert parameter_server.host_shares(separate, {"ps:0": 1.0}) == ()
+
+
+@pytest.mark.parametrize(
+    ("where", "across"),
+    [
+        ([], False),
+        (["strategy.hosts='a:2'"], False),
+        (["strategy.hosts='head:0,a:1'"], True),
+        (["strategy.workers_per_node=1"], True),  # a SLURM job of two nodes
+        (["strategy.workers_per_node=2"], False),
+    ],
+)
+def test_a_run_across_machines_defaults_to_the_settings_that_won_there(where, across):
+    ps = compose_config(["strategy=parameter_server", *where]).strategy
+    assert ps.ps_placement == ("colocated" if across else "separate")
+    for name in ("horovod", "multi_worker_mirrored"):
+        assert compose_config([f"strategy={name}", *where]).strategy.fp16_allreduce is across
+
+
+def test_a_setting_the_user_gives_is_kept_across_machines():
+    across = "strategy.hosts='a:1,b:1'"
+    ps = compose_config(["strategy=parameter_server", across, "strategy.ps_placement=separate"])
+    assert ps.strategy.ps_placement == "separate"
+    hvd = compose_config(["strategy=horovod", across, "strategy.fp16_allreduce=false"])
+    assert hvd.strategy.fp16_allreduce is False
 
 
 def test_horovod_in_a_slurm_job_of_several_nodes_describes_its_job_step(slurm_job, monkeypatch):

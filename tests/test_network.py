@@ -151,7 +151,7 @@ def test_the_winners_are_the_fastest_setting_at_the_grids_rates():
     colocated = ("strategy.ps_placement=colocated",)
     runs = [
         run("10mbit", 20.0),
-        run("10mbit", 22.0),  # as shipped: two seeds, mean 21
+        run("10mbit", 22.0),  # library defaults: two seeds, mean 21
         run("10mbit", 45.0, colocated),
         run("100mbit", 300.0),  # not a grid rate: the lowest shaped one is
         run("unshaped", 600.0),
@@ -321,7 +321,7 @@ def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_one
         subprocess.run([HOSTS_SH, "down", live], check=True)
 
 
-# Each strategy as shipped and one setting of its own, with a different layout
+# Each strategy at its library's defaults and one setting of its own, with a different layout
 # (the parameter server's ps tasks beside the workers, sharded) or fp16 gradients.
 GRID = "strategy.ps_placement=colocated strategy.partitioner=fixed strategy.fp16_allreduce=true"
 
@@ -356,7 +356,8 @@ def network_records(repo: Path) -> list[tuple[dict, DictConfig]]:
 def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(network_grid):
     repo = network_grid
     records = network_records(repo)
-    assert len(records) == 2 * 2 * len(REGISTRY)  # as shipped and one setting, 50mbit and unshaped
+    # the library's defaults and one setting, at 50mbit and unshaped
+    assert len(records) == 2 * 2 * len(REGISTRY)
     # shaped links carry steady traffic; an unshaped epoch is over between two
     # samples of the counters (a quarter second), too short to count on
     for record, cfg in records:
@@ -414,11 +415,11 @@ def test_the_network_report_names_the_winners_and_compares_best_against_best(net
     assert len(winners) == 2 * len(REGISTRY), winners  # one each at 50mbit and unshaped
     for key, overrides in best.items():
         strategy, _, kind = key.split("/")
-        setting = ", ".join(o.removeprefix("strategy.") for o in overrides) or "as shipped"
+        setting = ", ".join(o.removeprefix("strategy.") for o in overrides) or "library defaults"
         rate = "50mbit" if kind == "shaped" else "unshaped"
         assert f"| {strategy} | 2 | {rate} | {setting} |" in report, (key, report)
     assert "## Best against best" in report and "best against best" in report
-    assert "## Where the strategies cross, as shipped" in report
+    assert "## Where the strategies cross, library defaults" in report
     assert "## Where the strategies cross, at its best" in report
     assert "| communication |" in report
     with Image.open(report_dir / "throughput.png") as image:
@@ -477,10 +478,12 @@ def condition_records(repo: Path) -> list[tuple[dict, dict]]:
 
 
 # Where each strategy's processes ran, as its MLflow params say: a worker on
-# each worker's host, the parameter server's ps task and coordinator on the head.
+# each worker's host; across machines by default a ps task beside each worker,
+# the parameter server's coordinator on the head.
 PLACED = {
     "parameter_server": {
-        "hosts": "worker:0 on node2; worker:1 on node3; ps:0 on node1; coordinator on node1"
+        "hosts": "worker:0 on node2; worker:1 on node3; ps:0 on node2; ps:1 on node3; "
+        "coordinator on node1"
     },
     "horovod": {"devices": "rank 0 on node2: cpu; rank 1 on node3: cpu"},
     "multi_worker_mirrored": {
@@ -538,6 +541,7 @@ def test_each_strategy_recovers_from_a_killed_worker_and_the_report_counts_the_c
     for record, metrics in churned:
         (kill,) = record["kills"]  # at most one
         assert kill["host"] == "node3" and all("distrepro" in p for p in kill["processes"])
+        assert not any(" task ps " in p for p in kill["processes"])  # ps:1 is on node3 too
         (recovery,) = record["recoveries"]
         assert causes[metrics["strategy"]] in recovery, (metrics["strategy"], record)
         mlflow_run = client.get_run(metrics["mlflow_run_id"])

@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from distrepro import strategies
+from distrepro import hosts, strategies
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
@@ -174,6 +174,18 @@ class Config:
 
 
 ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def on_several_hosts(several: Any, one: Any, *, _parent_: DictConfig) -> Any:
+    """`${on_several_hosts:A,B}` in a strategy's config: A for a run across
+    several machines (strategy.hosts of two or more, or workers_per_node
+    below num_workers), B on one machine."""
+    listed, per_node = _parent_.hosts, _parent_.workers_per_node
+    across = bool(listed and len(hosts.parse(listed)) > 1)
+    return several if across or (per_node or _parent_.num_workers) < _parent_.num_workers else one
+
+
+OmegaConf.register_new_resolver("on_several_hosts", on_several_hosts, replace=True)
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

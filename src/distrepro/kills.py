@@ -15,8 +15,9 @@ from pathlib import Path
 
 
 def training_pids(namespace: str) -> list[int]:
-    """The project's training processes in a host's network namespace (its
-    sshd and ssh sessions are not)."""
+    """The project's training processes in a host's network namespace: not its
+    sshd and ssh sessions, nor a parameter server's ps task beside the worker
+    (the experiment loses workers, not the model's variables)."""
     listing = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
     pids = []
     for pid in map(int, listing.stdout.split()):
@@ -24,7 +25,9 @@ def training_pids(namespace: str) -> list[int]:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue  # gone meanwhile
-        if b"-m" in command and any(arg.startswith(b"distrepro.") for arg in command):
+        training = b"-m" in command and any(arg.startswith(b"distrepro.") for arg in command)
+        ps_task = b"task" in command and command[command.index(b"task") :][:2] == [b"task", b"ps"]
+        if training and not ps_task:
             pids.append(pid)
     return pids
 

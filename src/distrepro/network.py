@@ -1,8 +1,9 @@
 """One training of the network experiment, on hosts of its own: network
 namespaces joined by a switch (scripts/hosts.sh), each host's link shaped to
 network.bandwidth in both directions (`tc tbf`; "unshaped": none). node1, the
-head, runs the launcher, and with it the parameter server's ps tasks and
-coordinator; node2, node3.. a worker each. With network.slowdown, each
+head, runs the launcher and the parameter server's coordinator (and its ps
+tasks with strategy.ps_placement=separate); node2, node3.. a worker each (and
+a ps task beside it, colocated: the default across machines). With network.slowdown, each
 worker's host gets strategy.cores_per_worker cores by a CPU quota, the last
 one's divided by the slowdown: a straggler. With network.kill_interval_s,
 the last worker's training processes are killed at random times
@@ -22,6 +23,7 @@ the MLflow run gets the figures.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -36,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from distrepro import costmodel, strategies
 from distrepro.atomic import write_json_atomically
@@ -71,6 +73,19 @@ def variants(strategy: str, grid: str) -> list[list[str]]:
     own = strategies.module(strategy).KEYS
     axes = [axis for axis in sweep_axes(grid) if axis[0].split("=")[0].split(".")[-1] in own]
     return [list(point) for point in itertools.product(*axes)]
+
+
+@functools.cache
+def library_defaults(strategy: str) -> tuple[str, ...]:
+    """The strategy's own keys that default otherwise across several machines
+    (`${on_several_hosts:..}`), as on one: its library's defaults, the
+    baseline the network experiment measures the winners against."""
+    ships = compose_config([f"strategy={strategy}"]).strategy
+    return tuple(
+        f"strategy.{key}={str(ships[key]).lower()}"
+        for key in strategies.module(strategy).KEYS
+        if OmegaConf.is_interpolation(ships, key)
+    )
 
 
 def layout(num_workers: int) -> str:

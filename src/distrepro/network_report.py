@@ -1,9 +1,10 @@
 """The network experiment's report: img/s against link rate per strategy as
-it ships and at its best (95 % intervals over seeds), each strategy's grid
-of settings and its winners, where the strategies cross (as shipped and best
-against best), the bytes per step measured on each link beside what the
-model size implies for every layout, each run's share of time
-communicating, and the cost model checked against every shaped run.
+its library ships it and at its best (95 % intervals over seeds), each
+strategy's grid of settings and its winners, where the strategies cross (at
+the libraries' defaults and best against best), the bytes per step measured
+on each link beside what the model size implies for every layout, each run's
+share of time communicating, and the cost model checked against every shaped
+run.
 
     python -m distrepro.network_report winners BEST_JSON RUN_DIR..
     python -m distrepro.network_report [--winners BEST_JSON] OUT_DIR RUN_DIR..
@@ -31,7 +32,7 @@ from distrepro.report import markdown_table  # noqa: E402
 
 # A run is communication-bound when the model's communication time exceeds its compute.
 COMM_BOUND = 1.0
-SHIPPED = "as shipped"
+SHIPPED = "library defaults"
 WHY_BYTES = {
     "all-reduce": (
         "All-reduce: the ring's 2(N-1)/N x gradient bytes (halved in fp16), plus TCP/IP "
@@ -50,13 +51,13 @@ WHY_BYTES = {
 
 @functools.cache
 def shipped(strategy: str) -> dict:
-    """The strategy's own keys as its config file ships them."""
+    """The strategy's own keys as on one machine: its library's defaults."""
     ships = config.compose_config([f"strategy={strategy}"]).strategy
     return {key: ships[key] for key in strategies.module(strategy).KEYS}
 
 
 def variant(cfg) -> tuple[str, ...]:
-    """The strategy's own keys that differ from how it ships, as overrides."""
+    """The strategy's own keys that differ from its library's defaults, as overrides."""
     ships = shipped(cfg.strategy.name.value)
     return tuple(
         f"strategy.{key}={str(cfg.strategy[key]).lower()}"
@@ -182,7 +183,7 @@ def share(group: list[dict]) -> float | None:
 
 
 def curve_of(rows: list[dict], picked: dict[tuple, tuple] | None) -> list[dict]:
-    """The rows of each strategy's curve: as shipped (picked None), or the
+    """The rows of each strategy's curve: its library's defaults (picked None), or the
     setting picked for each (strategy, workers, rate class)."""
     if picked is None:
         return [r for r in rows if not r["variant"]]
@@ -228,7 +229,7 @@ def crossings(rows: list[dict]) -> list[str]:
 
 def verdicts(shipped_rows: list[dict], best_rows: list[dict]) -> list[str]:
     """At each rate, each compared pair best against best, with the 95 %
-    interval of its img/s ratio, and how far that moved from as shipped."""
+    interval of its img/s ratio, and how far that moved from the libraries' defaults."""
     sentences = []
     by = {
         kind: {(r["workers"], r["bandwidth"], r["strategy"]): r for r in rows}
@@ -248,7 +249,7 @@ def verdicts(shipped_rows: list[dict], best_rows: list[dict]) -> list[str]:
             if all(before):
                 was = before[0]["images_per_sec"] / before[1]["images_per_sec"]
                 moved = (
-                    f" As shipped {first}/{second} was {was:.2f}x; "
+                    f" At the libraries' defaults {first}/{second} was {was:.2f}x; "
                     f"best against best {ratio.estimate:.2f}x."
                 )
             sentences.append(f"At {bandwidth}, best against best: {said}{moved}")
@@ -288,7 +289,7 @@ def half_widths(row: dict) -> tuple[float, float]:
 
 
 def plot(curve_rows: dict[str, list[dict]], path: Path) -> None:
-    """Each strategy's curves (as shipped solid, at its best dotted), the
+    """Each strategy's curves (its library's defaults solid, at its best dotted), the
     cost model's dashed."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {SHIPPED: "-", "at its best": ":"}
@@ -395,7 +396,8 @@ def grid_section(grouped: dict[tuple, list[dict]], picked: dict[tuple, tuple]) -
         "## Each strategy's settings, and what won",
         "",
         "The settings a user of each strategy would try (`--config grid=...`), one seed "
-        "each (as shipped: every seed) at the grid's shaped rate and unshaped, by mean img/s; "
+        "each (the library's defaults: every seed) at the grid's shaped rate and unshaped, "
+        "by mean img/s; "
         "the winner at each is then trained with every seed at every shaped rate (the "
         "shaped winner) or unshaped.",
         "",

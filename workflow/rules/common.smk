@@ -17,7 +17,14 @@ from distrepro.config import (
     sweep_axes,
 )
 from distrepro.launch import ConfigError, describe, validate_values
-from distrepro.network import UNSHAPED, layout, megabit, refusal, variants
+from distrepro.network import (
+    UNSHAPED,
+    layout,
+    library_defaults,
+    megabit,
+    refusal,
+    variants,
+)
 from distrepro.slurm import nodes_for
 from distrepro.strategies import REGISTRY
 
@@ -102,12 +109,13 @@ def hosts_point(strategy, workers, seed, *conditions):
 
 
 def network_point(strategy, workers, bandwidth, seed, variant=()):
-    """A run of the network target: traced, for the share of time communicating."""
+    """A run of the network target: traced, for the share of time communicating;
+    without a variant, at its library's defaults."""
     return hosts_point(
         strategy,
         workers,
         seed,
-        *variant,
+        *(variant or library_defaults(strategy)),
         f"network.bandwidth={bandwidth}",
         "train.profile=true",
     )
@@ -120,7 +128,7 @@ def network_workers(strategy):
 
 
 def network_points():
-    """Each strategy as it ships at each of `bandwidths` and unshaped (the
+    """Each strategy at its library's defaults at each of `bandwidths` and unshaped (the
     compute time the cost model starts from), at each worker count, every
     seed; with variants=best also each strategy's grid at the grid's rate and
     unshaped, one seed."""
