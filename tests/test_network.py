@@ -387,12 +387,13 @@ def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(n
     assert set(colocated["expected"]) == {"worker"}
     assert "ps" in shaped[("parameter_server", False, "separate")]["expected"]
     runs = [json.loads(p.read_text()) for p in repo.glob("results/runs/*/metrics.json")]
-    bandwidth = {r["run_name"]: network_json(repo, r)["bandwidth"] for r in runs}
-    for strategy in REGISTRY:  # every setting is slower on the shaped link
-        rates = {"50mbit": [], "unshaped": []}
-        for r in (r for r in runs if r["strategy"] == strategy):
-            rates[bandwidth[r["run_name"]]].append(r["images_per_sec"])
-        assert max(rates["50mbit"]) < min(rates["unshaped"]), (strategy, rates)
+    for r in runs:  # a shaped link measures its rate and carries no more
+        record = network_json(repo, r)
+        if record["bandwidth"] == "50mbit":
+            assert 0.9 < record["link_bytes_per_s"] / (50e6 / 8) < 1.0, record
+            steps_per_s = r["images_per_sec"] / r["global_batch_size"]
+            sent = record["measured"]["worker"]["sent"] * steps_per_s
+            assert sent < 1.02 * record["link_bytes_per_s"], (r["run_name"], record)
     for r in runs:  # two epochs train, on every link
         assert r["history"][1]["train_loss"] < r["history"][0]["train_loss"], r["run_name"]
     ps = [r for r in runs if "ps_shares" in r]
@@ -421,7 +422,7 @@ def test_the_network_report_names_the_winners_and_compares_best_against_best(net
     assert "## Best against best" in report and "best against best" in report
     assert "## Where the strategies cross, library defaults" in report
     assert "## Where the strategies cross, at its best" in report
-    assert "| communication |" in report
+    assert "| regime | communicating |" in report  # by the model, each setting's bound
     with Image.open(report_dir / "throughput.png") as image:
         image.load()
     store = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
