@@ -309,6 +309,25 @@ class TrackingServer:
             self.proc.wait(30)
 
 
+def test_an_epoch_logged_again_after_a_lost_answer_is_kept_once(tmp_path, mlflow_uri):
+    from distrepro import tracking
+
+    client = mlflow.MlflowClient(mlflow_uri)
+    run = client.create_run(tracking.ensure_experiment("distrepro")).info.run_id
+    (tmp_path / tracking.RUN_ID_FILE).write_text(run)
+    history = [
+        {"epoch": e, "val_top1": 0.1 * e, "timed_window": [1e9 + e, 1e9 + e + 0.5]} for e in (1, 2)
+    ]
+    assert tracking.log_epochs(tmp_path, history[:1])
+    (tmp_path / tracking.LOGGED_EPOCHS).write_text("0")  # its answer was lost
+    assert tracking.log_epochs(tmp_path, history)
+    logged = client.get_metric_history(run, "val_top1")
+    assert sorted((m.step, m.value, m.timestamp) for m in logged) == [
+        (1, 0.1, 1_000_000_001_500),
+        (2, 0.2, 1_000_000_002_500),
+    ]
+
+
 def test_a_run_goes_on_while_its_tracking_server_is_down_and_logs_once_it_is_back(
     digits_tfrecords, tmp_path, monkeypatch, empty_mlflow_store
 ):

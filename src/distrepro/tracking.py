@@ -242,8 +242,11 @@ def resumed_at(run_dir: Path, epochs: int) -> None:
         count.write_text(str(epochs))
 
 
-def epoch_metrics(record: dict, at: int) -> list[Metric]:
-    """One epoch's figures as MLflow metrics at its step (see FINAL_METRICS)."""
+def epoch_metrics(record: dict) -> list[Metric]:
+    """One epoch's figures as MLflow metrics at its step (see FINAL_METRICS),
+    stamped with the epoch's end: logged again after a lost answer, they are
+    the same rows, which MLflow's store keeps once."""
+    at = int(record["timed_window"][1] * 1000)
     return [
         Metric(f"epoch_{k}" if k in FINAL_METRICS else k, v, at, record["epoch"])
         for k, v in record.items()
@@ -261,7 +264,7 @@ def log_epochs(run_dir: Path, history: list[dict]) -> bool:
         return False
     try:
         for record in history[logged:]:
-            client().log_batch(run, metrics=epoch_metrics(record, now_ms()))
+            client().log_batch(run, metrics=epoch_metrics(record))
             logged += 1
             count.write_text(str(logged))
     except UNANSWERED as error:
