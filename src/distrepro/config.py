@@ -182,7 +182,8 @@ def on_several_hosts(several: Any, one: Any, *, _parent_: DictConfig) -> Any:
     below num_workers), B on one machine."""
     listed, per_node = _parent_.hosts, _parent_.workers_per_node
     across = bool(listed and len(hosts.parse(listed)) > 1)
-    return several if across or (per_node or _parent_.num_workers) < _parent_.num_workers else one
+    split = per_node is not None and per_node < _parent_.num_workers
+    return several if across or split else one
 
 
 OmegaConf.register_new_resolver("on_several_hosts", on_several_hosts, replace=True)

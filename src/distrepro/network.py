@@ -76,13 +76,25 @@ def variants(strategy: str, grid: str) -> list[list[str]]:
 
 
 @functools.cache
+def shipped(strategy: str) -> DictConfig:
+    """The strategy's group as composed on one machine: its own keys (its
+    module's KEYS) at its library's defaults."""
+    return compose_config([f"strategy={strategy}"]).strategy
+
+
+def override(key: str, value) -> str:
+    """A key of the strategy group and its value as a Hydra override."""
+    return f"strategy.{key}={str(value).lower()}"
+
+
+@functools.cache
 def library_defaults(strategy: str) -> tuple[str, ...]:
     """The strategy's own keys that default otherwise across several machines
     (`${on_several_hosts:..}`), as on one: its library's defaults, the
     baseline the network experiment measures the winners against."""
-    ships = compose_config([f"strategy={strategy}"]).strategy
+    ships = shipped(strategy)
     return tuple(
-        f"strategy.{key}={str(ships[key]).lower()}"
+        override(key, ships[key])
         for key in strategies.module(strategy).KEYS
         if OmegaConf.is_interpolation(ships, key)
     )

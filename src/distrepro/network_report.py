@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from distrepro import config, costmodel, stats, strategies  # noqa: E402
 from distrepro.atomic import write_json_atomically  # noqa: E402
-from distrepro.network import UNSHAPED, megabit, model_inputs  # noqa: E402
+from distrepro.network import UNSHAPED, megabit, model_inputs, override, shipped  # noqa: E402
 from distrepro.report import markdown_table  # noqa: E402
 
 # A run is communication-bound when the model's communication time exceeds its compute.
@@ -50,18 +50,13 @@ WHY_BYTES = {
 
 
 @functools.cache
-def shipped(strategy: str) -> dict:
-    """The strategy's own keys as on one machine: its library's defaults."""
-    ships = config.compose_config([f"strategy={strategy}"]).strategy
-    return {key: ships[key] for key in strategies.module(strategy).KEYS}
-
-
 def variant(cfg) -> tuple[str, ...]:
     """The strategy's own keys that differ from its library's defaults, as overrides."""
-    ships = shipped(cfg.strategy.name.value)
+    name = cfg.strategy.name.value
+    ships = shipped(name)
     return tuple(
-        f"strategy.{key}={str(cfg.strategy[key]).lower()}"
-        for key in ships
+        override(key, cfg.strategy[key])
+        for key in strategies.module(name).KEYS
         if cfg.strategy[key] != ships[key]
     )
 
@@ -434,7 +429,10 @@ def write(out_dir: Path, runs: list[dict], best: dict[str, list[str]] | None = N
     ]
     layouts = [
         f"- {name}, {SHIPPED}: "
-        + (", ".join(f"{k}={v}" for k, v in shipped(name).items()) or "no settings of its own")
+        + (
+            ", ".join(f"{k}={shipped(name)[k]}" for k in strategies.module(name).KEYS)
+            or "no settings of its own"
+        )
         for name in strategies.REGISTRY
     ]
     text = [
