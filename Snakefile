@@ -5,6 +5,7 @@
 # snakemake --cores all stragglers --config slowdowns="1,2,4" workers=2   (as root)
 # snakemake --cores all churn --config kill_intervals="30,60" workers=2   (as root)
 # Values come from Hydra (conf/); --config experiment=NAME overrides="k=v k=v".
+# --config strategies=horovod,parameter_server: every target trains only those.
 from snakemake.utils import min_version, validate
 
 min_version("9.0")

@@ -28,7 +28,12 @@ from distrepro.network import (
 from distrepro.slurm import nodes_for
 from distrepro.strategies import REGISTRY
 
-STRATEGIES = list(REGISTRY)
+STRATEGIES = [s for s in config["strategies"].split(",") if s] or list(REGISTRY)
+if unknown := [s for s in STRATEGIES if s not in REGISTRY]:
+    raise WorkflowError(
+        f"strategies={config['strategies']}: {unknown[0]} is not a strategy "
+        f"({', '.join(REGISTRY)})"
+    )
 SEEDS = (
     list(range(config["seeds"]))
     if isinstance(config["seeds"], int)
@@ -44,6 +49,7 @@ def base_overrides():
 
 
 def group_id(*parts):
+    parts += (config["strategies"],) if config["strategies"] else ()
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:8]
 
 
