@@ -13,7 +13,6 @@ run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -49,7 +48,6 @@ WHY_BYTES = {
 }
 
 
-@functools.cache
 def variant(cfg) -> tuple[str, ...]:
     """The strategy's own keys that differ from its library's defaults, as overrides."""
     name = cfg.strategy.name.value
