@@ -414,7 +414,8 @@ def write(out_dir: Path, runs: list[dict], best: dict[str, list[str]] | None = N
         curve_rows["at its best"] = curve_of(rows, picked)
     plot(curve_rows, out_dir / "throughput.png")
     first = runs[0]
-    _, gradients, variables = model_inputs(first["cfg"], first)
+    gradients = costmodel.gradient_bytes(first["trainable_parameters"], fp16_allreduce=False)
+    variables = costmodel.variable_bytes(first["parameters"])
     unshaped = [
         [
             k[0],
@@ -437,7 +438,8 @@ def write(out_dir: Path, runs: list[dict], best: dict[str, list[str]] | None = N
         "# The interconnect: throughput against link bandwidth",
         "",
         f"{first['model']} ({first['parameters']:,} parameters, {first['trainable_parameters']:,} "
-        f"trainable): {gradients / 1e6:.3f} MB of gradients and {variables / 1e6:.3f} MB of "
+        f"trainable): {gradients / 1e6:.3f} MB of gradients (half with fp16 all-reduce) and "
+        f"{variables / 1e6:.3f} MB of "
         f"variables per update; global batch {first['global_batch_size']}, {first['dataset']}. "
         "Each worker on a host of its own, the launcher and the parameter server's "
         "coordinator on another; every host's link shaped both ways with `tc tbf`; img/s "
