@@ -28,7 +28,9 @@ from distrepro.network import (
 from distrepro.slurm import nodes_for
 from distrepro.strategies import REGISTRY
 
-STRATEGIES = [s for s in config["strategies"].split(",") if s] or list(REGISTRY)
+STRATEGIES = list(
+    dict.fromkeys(s for s in config["strategies"].split(",") if s)
+) or list(REGISTRY)
 if unknown := [s for s in STRATEGIES if s not in REGISTRY]:
     raise WorkflowError(
         f"strategies={config['strategies']}: {unknown[0]} is not a strategy "
@@ -49,6 +51,7 @@ def base_overrides():
 
 
 def group_id(*parts):
+    # a subset of the strategies is a group of its own; the ids of every strategy stay as they were
     parts += (config["strategies"],) if config["strategies"] else ()
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:8]
 
