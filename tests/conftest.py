@@ -127,11 +127,10 @@ def raw_factory(tmp_path):
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The tests prove launches, restarts, tracking and hosts, not the model: a
-# ResNet of one block per stage traces in half the time of the embedded
-# default's two. `reproduce` runs the default as a user does; the network
-# grid, the outage-at-start run and elastic Horovod's keep it for their
-# longer epochs.
+# The tests prove launches, restarts, tracking, hosts and links, not the
+# model: a ResNet of one block per stage traces in half the time of the
+# embedded default's two and sends 45 % of its bytes. The outage-at-start run
+# and elastic Horovod's keep the default for their longer epochs.
 SHALLOW = "model.blocks_per_stage=[1,1,1]"
 
 
