@@ -12,7 +12,8 @@ the last worker's training processes are killed at random times
 Before training, the link's rate is measured (one TCP stream, node2 to
 node1); while training, the switch's port counters are sampled; afterwards
 run_dir/network.json holds what each host sent and received per step (a
-global batch) over the timed part of every epoch but the first, beside what
+global batch; TCP payload, and with the headers the port counted) over the
+timed part of every epoch but the first, beside what
 the model's size implies (costmodel), the worker hosts' CPU quotas and the
 seconds the kernel held them back, the kills and the launcher's restarts;
 the MLflow run gets the figures.
@@ -54,6 +55,11 @@ UNSHAPED = "unshaped"
 PROBE_PORT = 5201
 PROBE_S = 2.0
 SAMPLE_S = 0.25
+# What a port counts of each TCP packet besides its payload: the Ethernet (14),
+# IPv4 (20) and TCP (20, and 12 of timestamps) headers. The kernel's
+# segmentation offload sends fewer, larger packets on a fast link than on a
+# slow one, so only the payload compares across links and with the model.
+HEADER_BYTES = 66
 TOOLS = ("ip", "tc", "ssh", "sshd", "unshare")
 
 
@@ -213,8 +219,9 @@ def send(host: str) -> None:
 
 
 class Counters:
-    """The switch's port counters, sampled in a thread: (time, {host: [sent,
-    received]}); port i is node i's cable, its rx what the host sent."""
+    """The switch's port counters, sampled in a thread: (time, {host: [bytes
+    sent, bytes received, packets sent, packets received]}); port i is node
+    i's cable, its rx what the host sent."""
 
     def __init__(self, folder: Path):
         self.switch = next(
@@ -233,8 +240,7 @@ class Counters:
         ).stdout
         return {
             f"node{link['ifname'][len('port') :]}": [
-                link["stats64"]["rx"]["bytes"],
-                link["stats64"]["tx"]["bytes"],
+                link["stats64"][way][unit] for unit in ("bytes", "packets") for way in ("rx", "tx")
             ]
             for link in json.loads(listing)
             if link["ifname"].startswith("port")
@@ -268,7 +274,8 @@ class Counters:
 
 def bytes_per_step(counters: Counters, history: list[dict], global_batch: int) -> dict:
     """Bytes each host sent and received per step over the timed parts of the
-    epochs after the first (those the sampling covers)."""
+    epochs after the first (those the sampling covers): as the port counted
+    them (wire_per_step) and their TCP payload (per_step)."""
     first, last = counters.samples[0][0], counters.samples[-1][0]
     windows = [
         (record["timed_window"], record["images_per_sec"])
@@ -283,13 +290,16 @@ def bytes_per_step(counters: Counters, history: list[dict], global_batch: int) -
         begin, end = counters.at(start_s), counters.at(end_s)
         for host in begin:
             moved = [e - b for b, e in zip(begin[host], end[host], strict=True)]
-            totals[host] = [t + m for t, m in zip(totals.get(host, [0.0, 0.0]), moved, strict=True)]
+            totals[host] = [t + m for t, m in zip(totals.get(host, [0.0] * 4), moved, strict=True)]
         steps += rate * (end_s - start_s) / global_batch
-    per_step = {
-        host: {"sent": sent / steps, "received": received / steps}
-        for host, (sent, received) in sorted(totals.items())
-    }
-    return {"steps": steps, "per_step": per_step}
+    wire, payload = {}, {}
+    for host, (sent, received, sent_packets, received_packets) in sorted(totals.items()):
+        wire[host] = {"sent": sent / steps, "received": received / steps}
+        payload[host] = {
+            "sent": (sent - HEADER_BYTES * sent_packets) / steps,
+            "received": (received - HEADER_BYTES * received_packets) / steps,
+        }
+    return {"steps": steps, "per_step": payload, "wire_per_step": wire}
 
 
 def worker_hosts(num_workers: int) -> list[str]:
@@ -365,7 +375,7 @@ def reads_per_update(cfg: DictConfig, metrics: dict, per_step: dict) -> float | 
     """R as measured: what a parameter-server worker's host received beyond
     its ps's share of gradients, over the model bytes it had to read (the
     mean over the workers' hosts); None for an all-reduce. The framing of
-    every byte counts too: 1.07 for a separate ps, 1.33 colocated at 50 Mbit/s."""
+    every tensor counts too: 1.25 colocated, sharded in two, at 10 Mbit/s."""
     if strategies.of(cfg).EXCHANGE != "parameter server":
         return None
     setting, gradients, variables = model_inputs(cfg, metrics)
@@ -437,6 +447,7 @@ def train(cfg: DictConfig, overrides: list[str]) -> Path:
         "exchange": strategies.of(cfg).EXCHANGE,
         **moved,
         "measured": by_role(moved["per_step"], cfg.strategy.num_workers, roles),
+        "measured_wire": by_role(moved["wire_per_step"], cfg.strategy.num_workers, roles),
         "expected": roles,
         "reads_per_update": reads_per_update(cfg, metrics, moved["per_step"]),
         "slowdown": cfg.network.slowdown,

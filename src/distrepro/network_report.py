@@ -26,7 +26,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from distrepro import config, costmodel, stats, strategies  # noqa: E402
 from distrepro.atomic import write_json_atomically  # noqa: E402
-from distrepro.network import UNSHAPED, megabit, model_inputs, override, shipped  # noqa: E402
+from distrepro.network import (  # noqa: E402
+    HEADER_BYTES,
+    UNSHAPED,
+    megabit,
+    model_inputs,
+    override,
+    shipped,
+)
 from distrepro.report import markdown_table  # noqa: E402
 
 # A run is communication-bound when the model's communication time exceeds its compute.
@@ -34,16 +41,15 @@ COMM_BOUND = 1.0
 SHIPPED = "library defaults"
 WHY_BYTES = {
     "all-reduce": (
-        "All-reduce: the ring's 2(N-1)/N x gradient bytes (halved in fp16), plus TCP/IP "
-        "headers and acknowledgements of what the link receives (a few %) and the library's "
-        "framing."
+        "All-reduce: the ring's 2(N-1)/N x gradient bytes (halved in fp16), plus the "
+        "library's framing."
     ),
     "parameter server": (
         "Parameter server: a worker receives each variable it reads over the link once per "
         "update (R, measured, in the last column; the weight decay is applied on the ps "
         "tasks) and sends its gradients and the batch norm statistics it updates; a "
         "colocated ps task serves its share to the other workers over its host's link. gRPC "
-        "framing, TCP/IP headers and acknowledgements add a few %."
+        "framing adds a few %."
     ),
 }
 
@@ -66,6 +72,11 @@ def label(run_variant: tuple[str, ...]) -> str:
 def load(run_dir: Path) -> dict:
     metrics = json.loads((run_dir / "metrics.json").read_text())
     network = json.loads((run_dir / "network.json").read_text())
+    if "measured_wire" not in network:  # its "measured" counted the headers too
+        raise SystemExit(
+            f"{run_dir}/network.json predates the TCP payload counts: "
+            "move the run away to train it again"
+        )
     cfg = config.load(run_dir / "config.yaml")
     timed = [h["images_per_sec"] for h in metrics["history"][1:]]
     return metrics | {
@@ -251,7 +262,8 @@ def verdicts(shipped_rows: list[dict], best_rows: list[dict]) -> list[str]:
 
 def bytes_rows(runs: list[dict]) -> list[list[str]]:
     """Per strategy, setting and link: measured bytes per step (mean over the
-    shaped runs) beside the expected, each way, and R as measured."""
+    shaped runs; payload, then on the wire) beside the expected, each way,
+    and R as measured."""
     rows = []
     keyed: dict[tuple, list[dict]] = {}
     for run in runs:
@@ -263,10 +275,14 @@ def bytes_rows(runs: list[dict]) -> list[list[str]]:
         for role in shaped[0]["network"]["expected"]:
             cells = [strategy, label(run_variant), role]
             for way in ("sent", "received"):
-                measured = sum(r["network"]["measured"][role][way] for r in shaped) / len(shaped)
+                measured, wire = (
+                    sum(r["network"][kind][role][way] for r in shaped) / len(shaped)
+                    for kind in ("measured", "measured_wire")
+                )
                 expected = shaped[0]["network"]["expected"][role][way]
                 cells += [
                     f"{measured / 1e6:.3f}",
+                    f"{wire / 1e6:.3f}",
                     f"{expected / 1e6:.3f}",
                     f"{measured / expected:.2f}",
                 ]
@@ -482,9 +498,12 @@ def write(out_dir: Path, runs: list[dict], best: dict[str, list[str]] | None = N
         "",
         "## Bytes per step on each link",
         "",
-        "MB per step (one global batch), mean over the shaped runs, from the interface "
-        "counters over the timed epochs; expected from the model's size (`distrepro.costmodel`). "
-        "A colocated parameter server's worker link carries its ps task's traffic too.",
+        "MB per step (one global batch), mean over the shaped runs, from the switch's port "
+        "counters over the timed epochs: the TCP payload (the bytes counted, less "
+        f"{HEADER_BYTES} bytes of Ethernet, IP and TCP headers per packet counted) and on the "
+        "wire (headers, acknowledgements and all; the kernel sends fewer, larger packets on a "
+        "fast link); expected from the model's size (`distrepro.costmodel`). A colocated "
+        "parameter server's worker link carries its ps task's traffic too.",
         "",
         markdown_table(
             bytes_rows(runs),
@@ -493,9 +512,11 @@ def write(out_dir: Path, runs: list[dict], best: dict[str, list[str]] | None = N
                 "setting",
                 "link",
                 "sent",
+                "on the wire",
                 "expected",
                 "ratio",
                 "received",
+                "on the wire",
                 "expected",
                 "ratio",
                 "R",

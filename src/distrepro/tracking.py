@@ -279,13 +279,13 @@ def now_ms() -> int:
 
 def log_network(run_dir: Path, record: dict) -> None:
     """The figures of a finished run on the project's own hosts: the link's
-    measured rate (shaped), per role the bytes per step measured and
-    expected, the seconds each quota held a host back, the kills."""
+    measured rate (shaped), per role the bytes per step measured (payload
+    and on the wire) and expected, the seconds each quota held a host back, the kills."""
     figures = {"kills": float(len(record["kills"]))}
     if record["link_bytes_per_s"] is not None:
         figures["link_mbyte_per_s"] = record["link_bytes_per_s"] / 1e6
     figures |= {f"throttled_s_{host}": cpu["throttled_s"] for host, cpu in record["cpu"].items()}
-    for kind in ("measured", "expected"):
+    for kind in ("measured", "measured_wire", "expected"):
         for role, ways in record[kind].items():
             figures |= {f"{kind}_{role}_{way}_mb_per_step": n / 1e6 for way, n in ways.items()}
     at, run = now_ms(), run_id(run_dir)
