@@ -371,7 +371,6 @@ def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(n
             for way, expected in ways.items():  # the libraries' framing adds, nothing is missing
                 measured = record["measured"][role][way]  # the TCP payload
                 assert 0.95 < measured / expected < 1.3, (cfg.strategy, role, way, record)
-                assert record["measured_wire"][role][way] > measured  # the headers too
         # each variable read once per update (twice would be over 2): beside
         # a colocated ps the framing of the gradients it takes in counts as
         # reads, 1.25 at a framing of 1.12

@@ -280,7 +280,8 @@ def now_ms() -> int:
 def log_network(run_dir: Path, record: dict) -> None:
     """The figures of a finished run on the project's own hosts: the link's
     measured rate (shaped), per role the bytes per step measured (payload
-    and on the wire) and expected, the seconds each quota held a host back, the kills."""
+    and on the wire) and expected, the seconds each quota held a host back,
+    the kills."""
     figures = {"kills": float(len(record["kills"]))}
     if record["link_bytes_per_s"] is not None:
         figures["link_mbyte_per_s"] = record["link_bytes_per_s"] / 1e6
