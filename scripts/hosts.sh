@@ -29,6 +29,7 @@ SUBNET=10.247.0 # private, and only inside the namespaces
 CGROUPS=/sys/fs/cgroup/cpu
 PERIOD_US=100000 # the quota's period: the kernel's default
 REGISTRY=/run/distrepro-hosts # DIRs made by `up`, by their id; /run is emptied at boot
+SSHD_DIR=/run/sshd             # sshd's privilege separation directory
 
 action=${1:-}
 dir=$(realpath -m -- "${2:-.}")
@@ -83,10 +84,7 @@ up() {
   mkdir -p "$dir" "$REGISTRY"
   echo "$owner $(started "$owner")" >"$dir/owner"
   ln -sfn "$dir" "$REGISTRY/$id"
-  if [ ! -d /run/sshd ]; then # sshd's privilege separation directory
-    mkdir /run/sshd
-    touch "$dir/made_run_sshd"
-  fi
+  sshd_dir make
   ssh-keygen -q -t ed25519 -N '' -f "$dir/id_ed25519"
   ssh-keygen -q -t ed25519 -N '' -f "$dir/host_key"
   cp "$dir/id_ed25519.pub" "$dir/authorized_keys"
@@ -140,6 +138,14 @@ StrictModes no
 PidFile $dir/sshd-$host.pid
 CONFIG
     (on_host "$host" /usr/sbin/sshd -f /etc/ssh/sshd_config)
+    # sshd writes its pid once it has detached, after it returns: the hosts
+    # are up when every pid is known (so that `down` stops every sshd).
+    local tries=100
+    until [ -s "$dir/sshd-$host.pid" ]; do
+      tries=$((tries - 1))
+      [ $tries -gt 0 ] || { echo "hosts.sh: the sshd of $host wrote no pid" >&2; return 1; }
+      sleep 0.05
+    done
   done
 }
 
@@ -166,10 +172,24 @@ down() {
     ip link del "$cable" 2>/dev/null || true
   done
   rm -f "$dir/namespaces" "$dir/owner" "$REGISTRY/$id"
-  if [ -e "$dir/made_run_sshd" ]; then
-    rmdir /run/sshd 2>/dev/null || true # another sshd may use it now
-    rm "$dir/made_run_sshd"
-  fi
+  sshd_dir release
+}
+
+# make|release: the first DIR up makes $SSHD_DIR if the machine has none, the
+# last one down removes what was made; under a lock, as hosts of several DIRs
+# come and go at once (the test suite's two processes), each DIR's sshd using it.
+sshd_dir() {
+  mkdir -p "$REGISTRY"
+  (
+    flock 9
+    if [ "$1" = make ] && [ ! -d "$SSHD_DIR" ]; then
+      mkdir "$SSHD_DIR"
+      touch "$REGISTRY/.made_sshd_dir"
+    elif [ "$1" = release ] && [ -e "$REGISTRY/.made_sshd_dir" ] && ! compgen -G "$REGISTRY/*" >/dev/null; then
+      rmdir "$SSHD_DIR" 2>/dev/null || true
+      rm "$REGISTRY/.made_sshd_dir"
+    fi
+  ) 9>"$REGISTRY/.lock"
 }
 
 down_stale() { # every registered DIR whose owner is no longer the process it was

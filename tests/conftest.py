@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import os
 import shutil
@@ -233,6 +235,10 @@ def process_mark(pid: int) -> str:
     return f"{pid}:{psutil.Process(pid).create_time()!r}"
 
 
+# `pytest` runs the suite in two processes (pytest-xdist, pyproject.toml):
+# each is a session of its own, whose tests count and stop only what it started.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ[SESSION_MARK] = process_mark(os.getpid())
 TEST_SESSION = os.environ.setdefault(SESSION_MARK, process_mark(os.getpid()))
 HOSTS_SH = str(REPO / "scripts" / "hosts.sh")
 SLURM_SH = str(REPO / "tests" / "slurm.sh")
@@ -281,6 +287,36 @@ def pytest_sessionstart(session) -> None:
     # SIGTERM (CI's time limit, a scheduler) unwinds like Ctrl-C: pytest then
     # tears down every fixture, clusters and hosts included.
     signal.signal(signal.SIGTERM, interrupt)
+
+
+@contextlib.contextmanager
+def holding(folder: Path, alone: bool):
+    """The machine, shared with the suite's other process or alone: a
+    readers-writer lock of two flocks, the turnstile held throughout by a
+    writer, so that no new reader passes it while the writer waits."""
+    with open(folder / "turnstile", "a") as turnstile, open(folder / "machine", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield  # closing the files unlocks them
+
+
+@pytest.fixture(scope="session")
+def machine(tmp_path_factory):
+    """`with machine():` around a test's or a fixture's work; `machine(alone=True)`
+    for a run that measures CPU shares (a quota on one host), which then waits
+    for the other process's work to end and holds its next back."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return lambda alone=False: contextlib.nullcontext()
+    folder = tmp_path_factory.getbasetemp().parent  # the run's, above each process's own
+    return lambda alone=False: holding(folder, alone)
+
+
+@pytest.fixture(autouse=True)
+def machine_shared(machine):
+    with machine():
+        yield
 
 
 def netns_names() -> list[str]:
@@ -332,6 +368,40 @@ def slurm_cluster(tmp_path_factory) -> Path:
         subprocess.run([SLURM_SH, "down", folder], check=True)
     assert not [pid for pid in daemons if psutil.pid_exists(pid)], "a daemon outlived the tests"
     assert not set(hosts) & set(netns_names()), "a host outlived the tests"
+
+
+HOSTS_REGISTRY = Path("/run/distrepro-hosts")  # scripts/hosts.sh's
+
+# Tests in one process of the suite (pytest-xdist's groups): those of one
+# cluster, started once, and those that check hosts_left_behind() with those
+# that leave hosts of an ended owner for a moment, on purpose.
+ON_TWO_HOSTS = pytest.mark.xdist_group("two_hosts")
+BESIDE_HOSTS_LEFT = pytest.mark.xdist_group("hosts_left")
+
+
+def started_ticks(pid: str) -> str:
+    """A process's start time as /proc/PID/stat gives it (hosts.sh's `started`), "" if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19]
+    except OSError:
+        return ""
+
+
+def hosts_left_behind() -> set[str]:
+    """Namespaces and CPU groups of hosts that no live owner holds: what a
+    process that ended failed to remove. Hosts that the suite's other process
+    holds meanwhile are not counted."""
+    held = set()
+    for link in HOSTS_REGISTRY.glob("*"):
+        try:
+            pid, ticks = (link / "owner").read_text().split()
+            names = (link / "namespaces").read_text().split()
+        except (OSError, ValueError):
+            continue  # being made or removed right now: its owner is at work
+        if started_ticks(pid) == ticks:
+            held.update(names)
+    groups = {group.name for group in Path("/sys/fs/cgroup/cpu").glob("drp*")}
+    return ({name for name in netns_names() if name.startswith("drp")} | groups) - held
 
 
 def training_processes() -> list:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -17,7 +16,9 @@ import mlflow
 import psutil
 import pytest
 from conftest import (
+    BESIDE_HOSTS_LEFT,
     HOSTS_SH,
+    ON_TWO_HOSTS,
     REPO,
     SESSION_MARK,
     netns_names,
@@ -54,6 +55,7 @@ def train_on_node1(
 
 # Horovod over Gloo, the parameter server and TensorFlow's all-reduce by
 # strategy.hosts, each on hosts of its own: the conditions runs of test_network.
+@ON_TWO_HOSTS
 def test_horovod_over_mpi_trains_across_two_hosts(
     two_hosts, digits_tfrecords, tmp_path, mlflow_uri
 ):
@@ -64,6 +66,7 @@ def test_horovod_over_mpi_trains_across_two_hosts(
     assert params["devices"] == "rank 0 on node1: cpu; rank 1 on node2: cpu"
 
 
+@ON_TWO_HOSTS
 def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_config(
     two_hosts, digits_tfrecords, tmp_path, mlflow_uri
 ):
@@ -96,6 +99,7 @@ def test_the_parameter_server_trains_across_hosts_that_start_their_tasks_by_tf_c
     assert params["hosts"] == where
 
 
+@ON_TWO_HOSTS
 def test_tensorflows_all_reduce_trains_across_hosts_that_each_launch_their_worker(
     two_hosts, digits_tfrecords, tmp_path, mlflow_uri
 ):
@@ -140,30 +144,28 @@ def test_the_hosts_leave_nothing_behind(tmp_path):
     assert not any(Path("/etc/netns", name).exists() for name in names)
 
 
+@BESIDE_HOSTS_LEFT
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stopped_test_session_leaves_no_cluster_behind(tmp_path, signum):
+def test_a_stopped_test_session_leaves_no_hosts_behind(tmp_path, signum):
     """pytest stopped with SIGTERM (CI's time limit) tears its fixtures down;
-    with SIGKILL, the next session's start removes what it left (its hosts,
-    on which every daemon and client of the cluster runs)."""
+    with SIGKILL, the next session's start removes what it left: its hosts,
+    with every daemon on them (the SLURM cluster's run there too)."""
     skip_without_hosts()
-    if not shutil.which("slurmctld"):
-        pytest.skip("a SLURM cluster needs slurmctld: `make test` installs it")
     held = tmp_path / "held"
     env = {**project_env(REPO), "DISTREPRO_HELD": str(held)}
-    env.pop(SESSION_MARK)  # a session of its own
-    session = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    inner = subprocess.Popen(
-        [*session, "tests/sessions/hold_the_slurm_cluster.py"], cwd=REPO, env=env
-    )
+    env.pop(SESSION_MARK)  # a session of its own, in one process
+    env.pop("PYTEST_XDIST_WORKER", None)
+    session = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--numprocesses", "0"]
+    inner = subprocess.Popen([*session, "tests/sessions/hold_the_hosts.py"], cwd=REPO, env=env)
     try:
         deadline = time.monotonic() + 180
         while not held.exists():
-            assert inner.poll() is None and time.monotonic() < deadline, "no cluster held"
+            assert inner.poll() is None and time.monotonic() < deadline, "no hosts held"
             time.sleep(0.5)
-        cluster = Path(held.read_text())
-        hosts = set((cluster / "hosts" / "namespaces").read_text().split())
-        daemons = [int(p.read_text()) for p in cluster.glob("*.pid")]
-        assert len(daemons) == 4 and all(psutil.pid_exists(pid) for pid in daemons)
+        folder = Path(held.read_text())
+        hosts = set((folder / "namespaces").read_text().split())
+        daemons = [int(p.read_text()) for p in folder.glob("sshd-*.pid")]
+        assert len(daemons) == 2 and all(psutil.pid_exists(pid) for pid in daemons)
         inner.send_signal(signum)
         inner.wait(120)
     finally:

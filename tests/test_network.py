@@ -15,7 +15,18 @@ import mlflow
 import psutil
 import pytest
 import yaml
-from conftest import HOSTS_SH, REPO, SHALLOW, copy_repo, project_env, run
+from conftest import (
+    BESIDE_HOSTS_LEFT,
+    HOSTS_REGISTRY,
+    HOSTS_SH,
+    REPO,
+    SHALLOW,
+    copy_repo,
+    hosts_left_behind,
+    netns_names,
+    project_env,
+    run,
+)
 from omegaconf import DictConfig
 from PIL import Image
 
@@ -292,11 +303,7 @@ def skip_without_root() -> None:
         pytest.skip(refused)
 
 
-def namespaces() -> set[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listing.splitlines()}
-
-
+@BESIDE_HOSTS_LEFT
 def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_ones(tmp_path):
     """kill -9 of `python -m distrepro.network` leaves its hosts (namespaces,
     sshd); `hosts.sh down --stale`, which each network run starts with,
@@ -315,16 +322,16 @@ def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_one
         assert "hosts up" in killed.stdout.readline()
         (left,) = [
             link.resolve()
-            for link in Path("/run/distrepro-hosts").iterdir()
-            if (link / "owner").read_text().split()[0] == str(killed.pid)
+            for link in HOSTS_REGISTRY.iterdir()
+            if link.is_symlink() and (link / "owner").read_text().split()[0] == str(killed.pid)
         ]
         killed.kill()
         killed.wait()
         names = (left / "namespaces").read_text().split()
-        assert set(names) <= namespaces()
+        assert set(names) <= set(netns_names())
         subprocess.run([HOSTS_SH, "down", "--stale"], check=True)
-        assert not set(names) & namespaces()
-        assert set((live / "namespaces").read_text().split()) <= namespaces()
+        assert not set(names) & set(netns_names())
+        assert set((live / "namespaces").read_text().split()) <= set(netns_names())
         assert psutil.pid_exists(int((live / "sshd-node1.pid").read_text()))
     finally:
         killed.kill()
@@ -339,17 +346,17 @@ GRID = "strategy.ps_placement=colocated strategy.partitioner=fixed strategy.fp16
 
 
 @pytest.fixture(scope="module")
-def network_grid(tmp_path_factory) -> Path:
+def network_grid(tmp_path_factory, machine) -> Path:
     """`snakemake network` with variants=best at one shaped rate, one seed,
     two epochs of the shallow ResNet: each strategy's grid at 50 Mbit/s and
     unshaped, its winners."""
     skip_without_root()
-    before = namespaces()
     repo = copy_repo(tmp_path_factory.mktemp("network") / "repo")
     config = ["bandwidths=50mbit", "workers=2", "seeds=1", "variants=best", f"grid={GRID}"]
     config.append(f"overrides=train.epochs=2 train.log_model=false {SHALLOW}")
-    run(["snakemake", "--cores", "all", "network", "--config", *config], repo, timeout=1800)
-    assert namespaces() == before
+    with machine():
+        run(["snakemake", "--cores", "all", "network", "--config", *config], repo, timeout=1800)
+    assert not hosts_left_behind()
     return repo
 
 
@@ -366,6 +373,7 @@ def network_records(repo: Path) -> list[tuple[dict, DictConfig]]:
 
 
 @pytest.mark.slow
+@BESIDE_HOSTS_LEFT
 def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(network_grid):
     repo = network_grid
     records = network_records(repo)
@@ -416,6 +424,7 @@ def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(n
 
 
 @pytest.mark.slow
+@BESIDE_HOSTS_LEFT
 def test_the_network_report_names_the_winners_and_compares_best_against_best(network_grid):
     repo = network_grid
     (report_dir,) = repo.glob("results/network/*/report")
@@ -459,25 +468,21 @@ def test_the_network_report_names_the_winners_and_compares_best_against_best(net
     assert all("measured_worker_sent_mb_per_step" in r.data.metrics for r in trained)
 
 
-def cpu_groups() -> set[str]:
-    return {group.name for group in Path("/sys/fs/cgroup/cpu").glob("drp*")}
-
-
 @pytest.fixture(scope="module")
-def conditions(network_grid) -> Path:
+def conditions(network_grid, machine) -> Path:
     """`snakemake stragglers churn` in one invocation, in the network grid's
     copy (its data prepared): every run's last worker at slowdown 1.5, so that
     the stragglers target's runs are the churn target's runs without kills
     (one run each, trained once), and the kills, one at most, hit the
     straggler's host. One seed, five epochs of the shallow ResNet: six
     trainings for both targets."""
-    before = namespaces(), cpu_groups()  # the session's own hosts stay
     config = ["slowdowns=1.5", "kill_intervals=5", "workers=2", "seeds=1"]
     overrides = "train.epochs=5 train.log_model=false network.slowdown=1.5 network.max_kills=1"
     config.append(f"overrides={overrides} {SHALLOW}")
     targets = ["stragglers", "churn"]
-    run(["snakemake", "--cores", "all", *targets, "--config", *config], network_grid, 1800)
-    assert (namespaces(), cpu_groups()) == before  # nothing left behind
+    with machine(alone=True):  # the other test process's work would take the quota's place
+        run(["snakemake", "--cores", "all", *targets, "--config", *config], network_grid, 1800)
+    assert not hosts_left_behind()
     return network_grid
 
 
@@ -508,6 +513,7 @@ PLACED = {
 
 
 @pytest.mark.slow
+@BESIDE_HOSTS_LEFT
 def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies(conditions):
     repo = conditions
     records = [(r, m) for r, m in condition_records(repo) if r["kill_interval_s"] is None]
@@ -539,6 +545,7 @@ def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies
 
 
 @pytest.mark.slow
+@BESIDE_HOSTS_LEFT
 def test_each_strategy_recovers_from_a_killed_worker_and_the_report_counts_the_cost(conditions):
     repo = conditions
     records = condition_records(repo)

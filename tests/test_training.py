@@ -388,8 +388,11 @@ OUTAGE_RUN = ("strategy.num_workers=1", f"train.epochs={OUTAGE_EPOCHS}", "train.
 OUTAGE_RUN += ("train.log_model=true",)
 
 
+OUTAGE = pytest.mark.xdist_group("outage")  # in one process of the suite: one run
+
+
 @pytest.fixture(scope="module")
-def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store):
+def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store, machine):
     """A run started while its tracking server is down: the server comes up
     after the first epoch, goes away once the run is in MLflow with a system
     metric, and comes back an epoch later, with epochs left to run (the
@@ -406,36 +409,41 @@ def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store):
     }
     client = mlflow.MlflowClient(server.uri)
     times = {"launched": time.time()}
-    proc = subprocess.Popen(  # the default model: epochs long enough to outlast each outage
-        launch_args(digits_tfrecords, results, *overrides, shallow=False),
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     try:
-        until(lambda: latest_checkpoint(results) >= 1)
-        server.start()
-        times["up"] = time.time()
-        until(lambda: list(results.glob("*/mlflow_run_id")))
-        (run_dir,) = results.iterdir()
-        run_id = (run_dir / "mlflow_run_id").read_text()
-        until(lambda: client.get_metric_history(run_id, "system/cpu_utilization_percentage"))
-        server.stop()
-        times["down"] = time.time()
-        after = latest_checkpoint(results)
-        until(lambda: latest_checkpoint(results) >= after + 1)
-        server.start()
-        times["back"] = time.time()
-        output, _ = proc.communicate(timeout=600)
+        with machine():  # not held across the tests: each holds it itself
+            proc = subprocess.Popen(  # the default model: epochs long enough to outlast each outage
+                launch_args(digits_tfrecords, results, *overrides, shallow=False),
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            try:
+                until(lambda: latest_checkpoint(results) >= 1)
+                server.start()
+                times["up"] = time.time()
+                until(lambda: list(results.glob("*/mlflow_run_id")))
+                (run_dir,) = results.iterdir()
+                run_id = (run_dir / "mlflow_run_id").read_text()
+                cpu = "system/cpu_utilization_percentage"
+                until(lambda: client.get_metric_history(run_id, cpu))
+                server.stop()
+                times["down"] = time.time()
+                after = latest_checkpoint(results)
+                until(lambda: latest_checkpoint(results) >= after + 1)
+                server.start()
+                times["back"] = time.time()
+                output, _ = proc.communicate(timeout=600)
+            finally:
+                proc.kill()
         assert proc.returncode == 0 and latest_checkpoint(results) == OUTAGE_EPOCHS, output[-3000:]
         yield {"run_dir": run_dir, "client": client, "output": output, "times": times, "env": env}
     finally:
-        proc.kill()
         server.stop()
 
 
+@OUTAGE
 def test_a_run_started_while_its_tracking_server_is_down_is_logged_once_it_is_back(
     outage_at_start,
 ):
@@ -456,6 +464,7 @@ def test_a_run_started_while_its_tracking_server_is_down_is_logged_once_it_is_ba
     assert run.data.metrics["top1"] == pytest.approx(metrics["top1"])
 
 
+@OUTAGE
 def test_system_metrics_resume_after_the_tracking_server_comes_back(outage_at_start):
     times, client = outage_at_start["times"], outage_at_start["client"]
     run_id = (outage_at_start["run_dir"] / "mlflow_run_id").read_text()
@@ -468,6 +477,7 @@ def test_system_metrics_resume_after_the_tracking_server_comes_back(outage_at_st
     assert any(t > times["back"] + 1 for t in sampled), (times, sampled)
 
 
+@OUTAGE
 def test_the_final_model_is_in_mlflow_and_evaluates_as_the_checkpoint_does(
     outage_at_start, digits_tfrecords
 ):
@@ -793,11 +803,12 @@ def test_one_deterministic_rank_repeats_a_seed_exactly_and_not_another(
     assert losses("other", 1) != first
 
 
-ON_A_TERMINAL = ("horovod", "parameter_server")  # the others' output goes to a pipe
+ON_A_TERMINAL = ("horovod", "parameter_server")
+PROFILED = pytest.mark.xdist_group("profiled")  # the others' output goes to a pipe
 
 
 @pytest.fixture(scope="module", params=list(REGISTRY))
-def profiled(request, digits_tfrecords, tmp_path_factory, empty_mlflow_store) -> dict:
+def profiled(request, digits_tfrecords, tmp_path_factory, empty_mlflow_store, machine) -> dict:
     """A profiled run of each strategy (2 epochs of 60 updates: steps after the
     window keep the parameter server's workers busy while their trace goes
     on), on a pseudo-terminal (`script`) or, for the others, into a pipe: its
@@ -810,22 +821,26 @@ def profiled(request, digits_tfrecords, tmp_path_factory, empty_mlflow_store) ->
         overrides.append("strategy.autotune=true")
         env.update(HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="3")
     args = launch_args(digits_tfrecords, folder / "runs", f"strategy={strategy}", *overrides)
-    if strategy in ON_A_TERMINAL:
-        typescript = folder / "typescript"
-        script = ["script", "-qec", shlex.join(args), str(typescript)]
-        subprocess.run(
-            script, check=True, timeout=600, stdout=subprocess.DEVNULL, cwd=REPO, env=env
-        )
-        output = typescript.read_text(errors="replace").replace("\r", "\n")
-    else:
-        ran = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-        assert ran.returncode == 0, ran.stderr[-3000:]
-        output = ran.stdout + ran.stderr
+    with machine():
+        if strategy in ON_A_TERMINAL:
+            typescript = folder / "typescript"
+            script = ["script", "-qec", shlex.join(args), str(typescript)]
+            subprocess.run(
+                script, check=True, timeout=600, stdout=subprocess.DEVNULL, cwd=REPO, env=env
+            )
+            output = typescript.read_text(errors="replace").replace("\r", "\n")
+        else:
+            ran = subprocess.run(
+                args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+            )
+            assert ran.returncode == 0, ran.stderr[-3000:]
+            output = ran.stdout + ran.stderr
     (metrics,) = [json.loads(p.read_text()) for p in folder.glob("runs/*/metrics.json")]
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     return {"strategy": strategy, "metrics": metrics, "client": client, "output": output}
 
 
+@PROFILED
 def test_a_progress_bar_on_a_terminal_and_plain_lines_in_logs(profiled):
     output = profiled["output"]
     if profiled["strategy"] in ON_A_TERMINAL:
@@ -835,6 +850,7 @@ def test_a_progress_bar_on_a_terminal_and_plain_lines_in_logs(profiled):
     assert re.search(r"epoch 1/2  loss [\d.]+ ", output)
 
 
+@PROFILED
 def test_a_profiled_run_keeps_its_traces_and_system_metrics_in_mlflow(profiled, tmp_path):
     metrics, client, strategy = profiled["metrics"], profiled["client"], profiled["strategy"]
     run_id = metrics["mlflow_run_id"]

@@ -34,7 +34,8 @@ from test_training import launch_args
 from distrepro.config import compose_config, memory_mb
 from distrepro.strategies import COMPARED, REGISTRY
 
-pytestmark = pytest.mark.slow
+# One process of the suite: its module fixtures' runs, once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workflow")]
 
 
 # Two seeds (the fewest with an interval) of the shallow ResNet: the workflow's
@@ -45,33 +46,34 @@ REPRODUCE = ["snakemake", "--cores", "all", "reproduce", "--config", *REPRODUCE_
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory) -> dict:
+def interrupted(tmp_path_factory, machine) -> dict:
     """`snakemake reproduce` in a copy of the repo, stopped by SIGTERM to its
     process group (as Ctrl-C or a scheduler's signal reaches every process of
     the job) once the first training has checkpointed an epoch: the training
     processes left within 10 s, and the run it stopped."""
     repo = copy_repo(tmp_path_factory.mktemp("workflow") / "repo")
-    proc = subprocess.Popen(
-        REPRODUCE,
-        cwd=repo,
-        env=project_env(repo),
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while not list(repo.glob("results/runs/*/checkpoints/ckpt-1.index")):
-            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
+    with machine():
+        proc = subprocess.Popen(
+            REPRODUCE,
+            cwd=repo,
+            env=project_env(repo),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 600
+            while not list(repo.glob("results/runs/*/checkpoints/ckpt-1.index")):
+                assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while training_processes() and time.monotonic() < deadline:
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGTERM)
-        code = proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while training_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
     (stopped,) = [d for d in (repo / "results/runs").iterdir() if (d / "checkpoints").is_dir()]
     return {
         "repo": repo,
@@ -83,10 +85,11 @@ def interrupted(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reproduced(interrupted) -> Path:
+def reproduced(interrupted, machine) -> Path:
     """The same command again, to its end: the stopped run resumes."""
     repo = interrupted["repo"]
-    run(REPRODUCE, repo, timeout=1800)
+    with machine():
+        run(REPRODUCE, repo, timeout=1800)
     return repo
 
 
