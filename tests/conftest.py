@@ -379,6 +379,18 @@ ON_TWO_HOSTS = pytest.mark.xdist_group("two_hosts")
 BESIDE_HOSTS_LEFT = pytest.mark.xdist_group("hosts_left")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Stop at once if pytest-xdist groups nothing (its 3.8 with pytest 9.2,
+    pytest-xdist#1386): each group's fixtures would run in both processes."""
+    if getattr(config.option, "loadgroup", False):
+        lost = [
+            i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid
+        ]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist left {lost[0]} out of its group")
+
+
 def started_ticks(pid: str) -> str:
     """A process's start time as /proc/PID/stat gives it (hosts.sh's `started`), "" if gone."""
     try:
