@@ -282,11 +282,23 @@ def interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def interrupt_workers(signum, frame):
+    """pytest-xdist's controller: the SIGTERM goes to its workers, which hold
+    the fixtures (they ignore SIGINT) and end the run once torn down."""
+    import psutil
+
+    for worker in psutil.Process().children():
+        worker.send_signal(signal.SIGTERM)
+
+
 def pytest_sessionstart(session) -> None:
     reap_dead_sessions()
     # SIGTERM (CI's time limit, a scheduler) unwinds like Ctrl-C: pytest then
     # tears down every fixture, clusters and hosts included.
-    signal.signal(signal.SIGTERM, interrupt)
+    controller = session.config.getoption("numprocesses", 0) and not os.environ.get(
+        "PYTEST_XDIST_WORKER"
+    )
+    signal.signal(signal.SIGTERM, interrupt_workers if controller else interrupt)
 
 
 @contextlib.contextmanager

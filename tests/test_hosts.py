@@ -145,18 +145,23 @@ def test_the_hosts_leave_nothing_behind(tmp_path):
 
 
 @BESIDE_HOSTS_LEFT
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stopped_test_session_leaves_no_hosts_behind(tmp_path, signum):
-    """pytest stopped with SIGTERM (CI's time limit) tears its fixtures down;
-    with SIGKILL, the next session's start removes what it left: its hosts,
-    with every daemon on them (the SLURM cluster's run there too)."""
+@pytest.mark.parametrize(
+    "signum, processes", [(signal.SIGTERM, 0), (signal.SIGKILL, 0), (signal.SIGTERM, 2)]
+)
+def test_a_stopped_test_session_leaves_no_hosts_behind(tmp_path, signum, processes):
+    """pytest stopped with SIGTERM (CI's time limit) tears its fixtures down,
+    also in the processes of pytest-xdist that hold them; with SIGKILL, the next
+    session's start removes what it left: its hosts, with every daemon on them
+    (the SLURM cluster's run there too)."""
     skip_without_hosts()
     held = tmp_path / "held"
     env = {**project_env(REPO), "DISTREPRO_HELD": str(held)}
-    env.pop(SESSION_MARK)  # a session of its own, in one process
+    env.pop(SESSION_MARK)  # a session of its own
     env.pop("PYTEST_XDIST_WORKER", None)
-    session = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--numprocesses", "0"]
-    inner = subprocess.Popen([*session, "tests/sessions/hold_the_hosts.py"], cwd=REPO, env=env)
+    session = [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--numprocesses"]
+    inner = subprocess.Popen(
+        [*session, str(processes), "tests/sessions/hold_the_hosts.py"], cwd=REPO, env=env
+    )
     try:
         deadline = time.monotonic() + 180
         while not held.exists():
@@ -172,7 +177,8 @@ def test_a_stopped_test_session_leaves_no_hosts_behind(tmp_path, signum):
         inner.kill()
     if signum == signal.SIGKILL:
         assert hosts <= set(netns_names())  # left behind, until the next session starts
-        subprocess.run([*session, "--collect-only", "tests/test_stats.py"], cwd=REPO, env=env)
+        next_session = [*session, "0", "--collect-only", "tests/test_stats.py"]
+        subprocess.run(next_session, cwd=REPO, env=env)
     assert not hosts & set(netns_names())
     psutil.wait_procs([psutil.Process(p) for p in daemons if psutil.pid_exists(p)], timeout=10)
     assert not [pid for pid in daemons if psutil.pid_exists(pid)]
