@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import io
 import os
 import shutil
@@ -235,7 +233,7 @@ def process_mark(pid: int) -> str:
     return f"{pid}:{psutil.Process(pid).create_time()!r}"
 
 
-# `pytest` runs the suite in two processes (pytest-xdist, pyproject.toml):
+# `pytest` runs the suite in three processes (pytest-xdist, pyproject.toml):
 # each is a session of its own, whose tests count and stop only what it started.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ[SESSION_MARK] = process_mark(os.getpid())
@@ -301,36 +299,6 @@ def pytest_sessionstart(session) -> None:
     signal.signal(signal.SIGTERM, interrupt_workers if controller else interrupt)
 
 
-@contextlib.contextmanager
-def holding(folder: Path, alone: bool):
-    """The machine, shared with the suite's other process or alone: a
-    readers-writer lock of two flocks, the turnstile held throughout by a
-    writer, so that no new reader passes it while the writer waits."""
-    with open(folder / "turnstile", "a") as turnstile, open(folder / "machine", "a") as machine:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield  # closing the files unlocks them
-
-
-@pytest.fixture(scope="session")
-def machine(tmp_path_factory):
-    """`with machine():` around a test's or a fixture's work; `machine(alone=True)`
-    for a run that measures CPU shares (a quota on one host), which then waits
-    for the other process's work to end and holds its next back."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return lambda alone=False: contextlib.nullcontext()
-    folder = tmp_path_factory.getbasetemp().parent  # the run's, above each process's own
-    return lambda alone=False: holding(folder, alone)
-
-
-@pytest.fixture(autouse=True)
-def machine_shared(machine):
-    with machine():
-        yield
-
-
 def netns_names() -> list[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
     return [line.split()[0] for line in listed.stdout.splitlines()]
@@ -393,14 +361,22 @@ BESIDE_HOSTS_LEFT = pytest.mark.xdist_group("hosts_left")
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Stop at once if pytest-xdist groups nothing (its 3.8 with pytest 9.2,
-    pytest-xdist#1386): each group's fixtures would run in both processes."""
+    """Tests that train first, so that the quick ones fill the processes'
+    last minutes (pytest-xdist hands out its groups, the largest first, then
+    the rest in this order). Stop at once if pytest-xdist groups nothing (its
+    3.8 with pytest 9.2, pytest-xdist#1386): each group's fixtures would run
+    in every process."""
+    items.sort(key=lambda item: not trains(item))
     if getattr(config.option, "loadgroup", False):
         lost = [
             i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid
         ]
         if lost:
             raise pytest.UsageError(f"pytest-xdist left {lost[0]} out of its group")
+
+
+def trains(item) -> bool:
+    return "digits_tfrecords" in item.fixturenames or bool(item.get_closest_marker("slow"))
 
 
 def started_ticks(pid: str) -> str:
@@ -413,8 +389,8 @@ def started_ticks(pid: str) -> str:
 
 def hosts_left_behind() -> set[str]:
     """Namespaces and CPU groups of hosts that no live owner holds: what a
-    process that ended failed to remove. Hosts that the suite's other process
-    holds meanwhile are not counted."""
+    process that ended failed to remove. Hosts that the suite's other processes
+    hold meanwhile are not counted."""
     held = set()
     for link in HOSTS_REGISTRY.glob("*"):
         try:

@@ -392,7 +392,7 @@ OUTAGE = pytest.mark.xdist_group("outage")  # in one process of the suite: one r
 
 
 @pytest.fixture(scope="module")
-def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store, machine):
+def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store):
     """A run started while its tracking server is down: the server comes up
     after the first epoch, goes away once the run is in MLflow with a system
     metric, and comes back an epoch later, with epochs left to run (the
@@ -410,33 +410,32 @@ def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store, mach
     client = mlflow.MlflowClient(server.uri)
     times = {"launched": time.time()}
     try:
-        with machine():  # not held across the tests: each holds it itself
-            proc = subprocess.Popen(  # the default model: epochs long enough to outlast each outage
-                launch_args(digits_tfrecords, results, *overrides, shallow=False),
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            try:
-                until(lambda: latest_checkpoint(results) >= 1)
-                server.start()
-                times["up"] = time.time()
-                until(lambda: list(results.glob("*/mlflow_run_id")))
-                (run_dir,) = results.iterdir()
-                run_id = (run_dir / "mlflow_run_id").read_text()
-                cpu = "system/cpu_utilization_percentage"
-                until(lambda: client.get_metric_history(run_id, cpu))
-                server.stop()
-                times["down"] = time.time()
-                after = latest_checkpoint(results)
-                until(lambda: latest_checkpoint(results) >= after + 1)
-                server.start()
-                times["back"] = time.time()
-                output, _ = proc.communicate(timeout=600)
-            finally:
-                proc.kill()
+        proc = subprocess.Popen(  # the default model: epochs long enough to outlast each outage
+            launch_args(digits_tfrecords, results, *overrides, shallow=False),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            until(lambda: latest_checkpoint(results) >= 1)
+            server.start()
+            times["up"] = time.time()
+            until(lambda: list(results.glob("*/mlflow_run_id")))
+            (run_dir,) = results.iterdir()
+            run_id = (run_dir / "mlflow_run_id").read_text()
+            cpu = "system/cpu_utilization_percentage"
+            until(lambda: client.get_metric_history(run_id, cpu))
+            server.stop()
+            times["down"] = time.time()
+            after = latest_checkpoint(results)
+            until(lambda: latest_checkpoint(results) >= after + 1)
+            server.start()
+            times["back"] = time.time()
+            output, _ = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
         assert proc.returncode == 0 and latest_checkpoint(results) == OUTAGE_EPOCHS, output[-3000:]
         yield {"run_dir": run_dir, "client": client, "output": output, "times": times, "env": env}
     finally:
@@ -808,7 +807,7 @@ PROFILED = pytest.mark.xdist_group("profiled")  # the others' output goes to a p
 
 
 @pytest.fixture(scope="module", params=list(REGISTRY))
-def profiled(request, digits_tfrecords, tmp_path_factory, empty_mlflow_store, machine) -> dict:
+def profiled(request, digits_tfrecords, tmp_path_factory, empty_mlflow_store) -> dict:
     """A profiled run of each strategy (2 epochs of 60 updates: steps after the
     window keep the parameter server's workers busy while their trace goes
     on), on a pseudo-terminal (`script`) or, for the others, into a pipe: its
@@ -821,20 +820,17 @@ def profiled(request, digits_tfrecords, tmp_path_factory, empty_mlflow_store, ma
         overrides.append("strategy.autotune=true")
         env.update(HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="3")
     args = launch_args(digits_tfrecords, folder / "runs", f"strategy={strategy}", *overrides)
-    with machine():
-        if strategy in ON_A_TERMINAL:
-            typescript = folder / "typescript"
-            script = ["script", "-qec", shlex.join(args), str(typescript)]
-            subprocess.run(
-                script, check=True, timeout=600, stdout=subprocess.DEVNULL, cwd=REPO, env=env
-            )
-            output = typescript.read_text(errors="replace").replace("\r", "\n")
-        else:
-            ran = subprocess.run(
-                args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600
-            )
-            assert ran.returncode == 0, ran.stderr[-3000:]
-            output = ran.stdout + ran.stderr
+    if strategy in ON_A_TERMINAL:
+        typescript = folder / "typescript"
+        script = ["script", "-qec", shlex.join(args), str(typescript)]
+        subprocess.run(
+            script, check=True, timeout=600, stdout=subprocess.DEVNULL, cwd=REPO, env=env
+        )
+        output = typescript.read_text(errors="replace").replace("\r", "\n")
+    else:
+        ran = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        output = ran.stdout + ran.stderr
     (metrics,) = [json.loads(p.read_text()) for p in folder.glob("runs/*/metrics.json")]
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     return {"strategy": strategy, "metrics": metrics, "client": client, "output": output}

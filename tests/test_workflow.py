@@ -46,34 +46,33 @@ REPRODUCE = ["snakemake", "--cores", "all", "reproduce", "--config", *REPRODUCE_
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory, machine) -> dict:
+def interrupted(tmp_path_factory) -> dict:
     """`snakemake reproduce` in a copy of the repo, stopped by SIGTERM to its
     process group (as Ctrl-C or a scheduler's signal reaches every process of
     the job) once the first training has checkpointed an epoch: the training
     processes left within 10 s, and the run it stopped."""
     repo = copy_repo(tmp_path_factory.mktemp("workflow") / "repo")
-    with machine():
-        proc = subprocess.Popen(
-            REPRODUCE,
-            cwd=repo,
-            env=project_env(repo),
-            start_new_session=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            deadline = time.monotonic() + 600
-            while not list(repo.glob("results/runs/*/checkpoints/ckpt-1.index")):
-                assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
-                time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGTERM)
-            code = proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while training_processes() and time.monotonic() < deadline:
+    proc = subprocess.Popen(
+        REPRODUCE,
+        cwd=repo,
+        env=project_env(repo),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not list(repo.glob("results/runs/*/checkpoints/ckpt-1.index")):
+            assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint"
             time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while training_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
     (stopped,) = [d for d in (repo / "results/runs").iterdir() if (d / "checkpoints").is_dir()]
     return {
         "repo": repo,
@@ -85,11 +84,10 @@ def interrupted(tmp_path_factory, machine) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reproduced(interrupted, machine) -> Path:
+def reproduced(interrupted) -> Path:
     """The same command again, to its end: the stopped run resumes."""
     repo = interrupted["repo"]
-    with machine():
-        run(REPRODUCE, repo, timeout=1800)
+    run(REPRODUCE, repo, timeout=1800)
     return repo
 
 
