@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import os
 import shutil
@@ -352,11 +354,8 @@ def slurm_cluster(tmp_path_factory) -> Path:
 
 HOSTS_REGISTRY = Path("/run/distrepro-hosts")  # scripts/hosts.sh's
 
-# Tests in one process of the suite (pytest-xdist's groups): those of one
-# cluster, started once, and those that check hosts_left_behind() with those
-# that leave hosts of an ended owner for a moment, on purpose.
+# Tests of one cluster, started once, in one process of the suite (a pytest-xdist group).
 ON_TWO_HOSTS = pytest.mark.xdist_group("two_hosts")
-BESIDE_HOSTS_LEFT = pytest.mark.xdist_group("hosts_left")
 
 
 @pytest.hookimpl(trylast=True)
@@ -402,6 +401,25 @@ def hosts_left_behind() -> set[str]:
             held.update(names)
     groups = {group.name for group in Path("/sys/fs/cgroup/cpu").glob("drp*")}
     return ({name for name in netns_names() if name.startswith("drp")} | groups) - held
+
+
+def assert_no_hosts_left_behind(seconds: float = 60) -> None:
+    """None left behind, or not for long: a test that leaves hosts on purpose
+    (a killed owner's) has them removed within seconds."""
+    deadline = time.monotonic() + seconds
+    while left := hosts_left_behind():
+        assert time.monotonic() < deadline, f"hosts left behind: {sorted(left)}"
+        time.sleep(1)
+
+
+@contextlib.contextmanager
+def stale_hosts_kept():
+    """While a test looks at the hosts it left on purpose, no `hosts.sh down
+    --stale` (a network run's start, a session's) removes them."""
+    HOSTS_REGISTRY.mkdir(exist_ok=True)
+    with open(HOSTS_REGISTRY / ".stale.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file unlocks it
 
 
 def training_processes() -> list:

@@ -16,16 +16,16 @@ import psutil
 import pytest
 import yaml
 from conftest import (
-    BESIDE_HOSTS_LEFT,
     HOSTS_REGISTRY,
     HOSTS_SH,
     REPO,
     SHALLOW,
+    assert_no_hosts_left_behind,
     copy_repo,
-    hosts_left_behind,
     netns_names,
     project_env,
     run,
+    stale_hosts_kept,
 )
 from omegaconf import DictConfig
 from PIL import Image
@@ -303,7 +303,6 @@ def skip_without_root() -> None:
         pytest.skip(refused)
 
 
-@BESIDE_HOSTS_LEFT
 def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_ones(tmp_path):
     """kill -9 of `python -m distrepro.network` leaves its hosts (namespaces,
     sshd); `hosts.sh down --stale`, which each network run starts with,
@@ -325,10 +324,11 @@ def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_one
             for link in HOSTS_REGISTRY.iterdir()
             if link.is_symlink() and (link / "owner").read_text().split()[0] == str(killed.pid)
         ]
-        killed.kill()
-        killed.wait()
         names = (left / "namespaces").read_text().split()
-        assert set(names) <= set(netns_names())
+        with stale_hosts_kept():
+            killed.kill()
+            killed.wait()
+            assert set(names) <= set(netns_names())
         subprocess.run([HOSTS_SH, "down", "--stale"], check=True)
         assert not set(names) & set(netns_names())
         assert set((live / "namespaces").read_text().split()) <= set(netns_names())
@@ -344,6 +344,10 @@ def test_a_killed_network_run_leaves_hosts_that_the_next_removes_and_no_live_one
 # (the parameter server's ps tasks beside the workers, sharded) or fp16 gradients.
 GRID = "strategy.ps_placement=colocated strategy.partitioner=fixed strategy.fp16_allreduce=true"
 
+# Each module fixture's tests in one process of the suite (a pytest-xdist group): its runs, once.
+NETWORK_GRID = pytest.mark.xdist_group("network_grid")
+CONDITIONS = pytest.mark.xdist_group("conditions")
+
 
 @pytest.fixture(scope="module")
 def network_grid(tmp_path_factory) -> Path:
@@ -355,7 +359,7 @@ def network_grid(tmp_path_factory) -> Path:
     config = ["bandwidths=50mbit", "workers=2", "seeds=1", "variants=best", f"grid={GRID}"]
     config.append(f"overrides=train.epochs=2 train.log_model=false {SHALLOW}")
     run(["snakemake", "--cores", "all", "network", "--config", *config], repo, timeout=1800)
-    assert not hosts_left_behind()
+    assert_no_hosts_left_behind()
     return repo
 
 
@@ -372,7 +376,7 @@ def network_records(repo: Path) -> list[tuple[dict, DictConfig]]:
 
 
 @pytest.mark.slow
-@BESIDE_HOSTS_LEFT
+@NETWORK_GRID
 def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(network_grid):
     repo = network_grid
     records = network_records(repo)
@@ -427,7 +431,7 @@ def test_each_strategys_settings_measure_their_links_and_the_winners_are_named(n
 
 
 @pytest.mark.slow
-@BESIDE_HOSTS_LEFT
+@NETWORK_GRID
 def test_the_network_report_names_the_winners_and_compares_best_against_best(network_grid):
     repo = network_grid
     (report_dir,) = repo.glob("results/network/*/report")
@@ -472,32 +476,31 @@ def test_the_network_report_names_the_winners_and_compares_best_against_best(net
 
 
 @pytest.fixture(scope="module")
-def conditions(network_grid) -> Path:
-    """`snakemake stragglers churn` in one invocation, in the network grid's
-    copy (its data prepared): every run's last worker at slowdown 4, so that
-    the stragglers target's runs are the churn target's runs without kills
-    (one run each, trained once), and the kills, one at most, hit the
-    straggler's host. One seed, five epochs of the shallow ResNet: six
-    trainings for both targets. A quarter of a core binds its host's
-    processes beside the suite's other processes' work, which a milder
-    slowdown's share would not (its host would get less than that anyway)."""
+def conditions(tmp_path_factory) -> Path:
+    """`snakemake stragglers churn` in one invocation: every run's last worker
+    at slowdown 4, so that the stragglers target's runs are the churn target's
+    runs without kills (one run each, trained once), and the kills, one at
+    most, hit the straggler's host. One seed, five epochs of the shallow
+    ResNet: six trainings for both targets. A quarter of a core binds its
+    host's processes beside the suite's other processes' work, which a milder
+    slowdown's share need not (its host may get less than that anyway)."""
+    skip_without_root()
+    repo = copy_repo(tmp_path_factory.mktemp("conditions") / "repo")
     config = ["slowdowns=4", "kill_intervals=5", "workers=2", "seeds=1"]
     overrides = "train.epochs=5 train.log_model=false network.slowdown=4 network.max_kills=1"
     config.append(f"overrides={overrides} {SHALLOW}")
     targets = ["stragglers", "churn"]
-    run(["snakemake", "--cores", "all", *targets, "--config", *config], network_grid, 1800)
-    assert not hosts_left_behind()
-    return network_grid
+    run(["snakemake", "--cores", "all", *targets, "--config", *config], repo, 1800)
+    assert_no_hosts_left_behind()
+    return repo
 
 
 def condition_records(repo: Path) -> list[tuple[dict, dict]]:
-    """The conditions targets' runs (the only ones at a slowdown): each
-    network.json and metrics.json."""
-    records = [
+    """The conditions targets' runs: each network.json and metrics.json."""
+    return [
         (json.loads(path.read_text()), json.loads((path.parent / "metrics.json").read_text()))
         for path in repo.glob("results/runs/*/network.json")
     ]
-    return [(record, metrics) for record, metrics in records if record.get("slowdown")]
 
 
 # Where each strategy's processes ran, as its MLflow params say: a worker on
@@ -517,7 +520,7 @@ PLACED = {
 
 
 @pytest.mark.slow
-@BESIDE_HOSTS_LEFT
+@CONDITIONS
 def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies(conditions):
     repo = conditions
     records = [(r, m) for r, m in condition_records(repo) if r["kill_interval_s"] is None]
@@ -549,7 +552,7 @@ def test_a_straggler_is_held_to_its_quota_and_the_report_compares_the_strategies
 
 
 @pytest.mark.slow
-@BESIDE_HOSTS_LEFT
+@CONDITIONS
 def test_each_strategy_recovers_from_a_killed_worker_and_the_report_counts_the_cost(conditions):
     repo = conditions
     records = condition_records(repo)
