@@ -358,14 +358,19 @@ HOSTS_REGISTRY = Path("/run/distrepro-hosts")  # scripts/hosts.sh's
 ON_TWO_HOSTS = pytest.mark.xdist_group("two_hosts")
 
 
+# pytest-xdist's groups, the longest first (about 19, 16, 10, 8, 4 and 4
+# minutes in a run of two processes), so that the longest start at once.
+LONGEST_FIRST = ("reproduced", "network_grid", "slurm", "conditions", "outage", "two_hosts")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests that train first, so that the quick ones fill the processes'
-    last minutes (pytest-xdist hands out its groups, the largest first, then
-    the rest in this order). Stop at once if pytest-xdist groups nothing (its
-    3.8 with pytest 9.2, pytest-xdist#1386): each group's fixtures would run
-    in every process."""
-    items.sort(key=lambda item: not trains(item))
+    """The longest groups first, then the other tests that train, so that
+    the quick ones fill the processes' last minutes (pytest-xdist hands them
+    out in this order: `--no-loadscope-reorder`). Stop at once if
+    pytest-xdist groups nothing (its 3.8 with pytest 9.2, pytest-xdist#1386):
+    each group's fixtures would run in every process."""
+    items.sort(key=start_rank)
     if getattr(config.option, "loadgroup", False):
         lost = [
             i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid
@@ -374,8 +379,12 @@ def pytest_collection_modifyitems(config, items) -> None:
             raise pytest.UsageError(f"pytest-xdist left {lost[0]} out of its group")
 
 
-def trains(item) -> bool:
-    return "digits_tfrecords" in item.fixturenames or bool(item.get_closest_marker("slow"))
+def start_rank(item) -> int:
+    group = item.get_closest_marker("xdist_group")
+    if group and group.args[0] in LONGEST_FIRST:
+        return LONGEST_FIRST.index(group.args[0])
+    trains = "digits_tfrecords" in item.fixturenames or item.get_closest_marker("slow")
+    return len(LONGEST_FIRST) + (0 if trains else 1)
 
 
 def started_ticks(pid: str) -> str:
