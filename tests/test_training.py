@@ -517,17 +517,21 @@ def test_parameter_server_launcher_stops_its_tasks_on_failure_and_sigint(
 
     results = tmp_path / "interrupted"
     args = launch_args(digits_tfrecords, results, "strategy=parameter_server")
-    proc = subprocess.Popen(args, cwd=REPO)
+    # Ctrl-C as in a shell: pytest-xdist's processes ignore SIGINT, which a child inherits
+    proc = subprocess.Popen(
+        args, cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
     try:
         deadline = time.monotonic() + 300
         while not list(results.glob("*/mlflow_run_id")) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(training_processes()) == 4  # 2 workers, 1 ps, the coordinator
         proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        assert proc.wait(60) != 0  # stopped, not trained to its end
     finally:
         proc.kill()
     assert not training_processes()
+    assert not list(results.glob("*/metrics.json"))
 
 
 # The dynamic loss scale, fp16's default, is built in test_fp16_loss_scale_is_dynamic_or_fixed.
