@@ -358,8 +358,8 @@ HOSTS_REGISTRY = Path("/run/distrepro-hosts")  # scripts/hosts.sh's
 ON_TWO_HOSTS = pytest.mark.xdist_group("two_hosts")
 
 
-# pytest-xdist's groups, the longest first (about 19, 16, 10, 8, 4 and 4
-# minutes in a run of two processes), so that the longest start at once.
+# pytest-xdist's groups, the longest first (about 28, 24, 20, 20, 3 and 3
+# minutes in a CI run of three processes), so that the longest start at once.
 LONGEST_FIRST = ("reproduced", "network_grid", "slurm", "conditions", "outage", "two_hosts")
 
 
