@@ -381,13 +381,21 @@ def until(condition, seconds: float = 300) -> None:
 
 @contextlib.contextmanager
 def held(proc: subprocess.Popen):
-    """The run's processes stopped (SIGSTOP) meanwhile: a server's start,
+    """The run's processes (the launcher and all it started: horovodrun puts
+    its ranks in groups of their own) stopped meanwhile: a server's start,
     however long a loaded machine makes it, leaves the run its epochs."""
-    os.killpg(proc.pid, signal.SIGSTOP)
+    launcher = psutil.Process(proc.pid)
+    launcher.suspend()
+    processes = [launcher, *launcher.children(recursive=True)]
+    for process in processes[1:]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.suspend()
     try:
         yield
     finally:
-        os.killpg(proc.pid, signal.SIGCONT)
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.resume()
 
 
 def latest_checkpoint(results: Path) -> int:
@@ -431,7 +439,6 @@ def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            start_new_session=True,
         )
         try:
             until(lambda: latest_checkpoint(results) >= 1)
@@ -448,12 +455,13 @@ def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store):
             after = latest_checkpoint(results)
             until(lambda: latest_checkpoint(results) > after and time.time() > times["down"] + 3)
             with held(proc):
+                held_at = latest_checkpoint(results)
                 server.start()
                 times["back"] = time.time()
+                assert latest_checkpoint(results) == held_at, "the run went on while held"
             output, _ = proc.communicate(timeout=600)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
         assert proc.returncode == 0 and latest_checkpoint(results) == OUTAGE_EPOCHS, output[-3000:]
         yield {"run_dir": run_dir, "client": client, "output": output, "times": times, "env": env}
     finally:

@@ -248,7 +248,11 @@ class Counters:
 
     def sample(self) -> None:
         while not self.done.is_set():
-            self.samples.append((time.time(), self.read()))
+            # the kernel counted somewhere within `ip`'s run, which a loaded
+            # machine stretches to a good part of SAMPLE_S: its middle
+            started = time.time()
+            counters = self.read()
+            self.samples.append(((started + time.time()) / 2, counters))
             self.done.wait(SAMPLE_S)
 
     def __enter__(self) -> Counters:
