@@ -432,7 +432,7 @@ def outage_at_start(digits_tfrecords, tmp_path_factory, empty_mlflow_store):
     client = mlflow.MlflowClient(server.uri)
     times = {"launched": time.time()}
     try:
-        proc = subprocess.Popen(  # the default model: epochs long enough to outlast each outage
+        proc = subprocess.Popen(  # the default model: an epoch outlasts a 1 s system sample
             launch_args(digits_tfrecords, results, *overrides, shallow=False),
             cwd=REPO,
             env=env,
