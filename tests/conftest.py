@@ -359,9 +359,9 @@ ON_TWO_HOSTS = pytest.mark.xdist_group("two_hosts")
 
 
 # pytest-xdist's groups in the order it hands them out: the three longest
-# (about 18, 16 and 9 minutes in a CI run of three processes) start at once. A
+# (about 14, 13 and 8 minutes in a CI run of three processes) start at once. A
 # process whose group has two tests or fewer (the network grid's) is given the
-# next group at once too: a short one, so that the conditions' (11 minutes)
+# next group at once too: a short one, so that the conditions' (10 minutes)
 # go to the first process free rather than wait behind the grid.
 GROUPS_IN_ORDER = ("reproduced", "network_grid", "slurm", "two_hosts", "conditions", "outage")
 
