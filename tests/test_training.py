@@ -27,7 +27,7 @@ from mlflow.entities import LoggedModelStatus
 from omegaconf import errors as omegaconf_errors
 from test_setup import V100, stand_in
 
-from distrepro import parents
+from distrepro import parents, processes
 from distrepro.config import compose_config, run_name
 from distrepro.launch import ConfigError, validate
 from distrepro.strategies import REGISTRY
@@ -305,9 +305,8 @@ class TrackingServer:
         wait_for_http(f"{self.uri}/health")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
+        if self.proc:
+            processes.stop([self.proc])
 
 
 def test_an_epoch_logged_again_after_a_lost_answer_is_kept_once(tmp_path, mlflow_uri):
@@ -386,14 +385,14 @@ def held(proc: subprocess.Popen):
     however long a loaded machine makes it, leaves the run its epochs."""
     launcher = psutil.Process(proc.pid)
     launcher.suspend()
-    processes = [launcher, *launcher.children(recursive=True)]
-    for process in processes[1:]:
+    run = [launcher, *launcher.children(recursive=True)]
+    for process in run[1:]:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.suspend()
     try:
         yield
     finally:
-        for process in processes:
+        for process in run:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.resume()
 

@@ -31,6 +31,7 @@ from conftest import (
 from PIL import Image
 from test_training import launch_args
 
+from distrepro import processes
 from distrepro.config import compose_config, memory_mb
 from distrepro.strategies import COMPARED, REGISTRY
 
@@ -433,12 +434,7 @@ def test_mlflow_ui_shows_the_reproduce_runs_and_their_metrics(reproduced, tmp_pa
         assert f" images_per_sec {last_epoch!r}" not in run_page
         assert f"epoch_images_per_sec {last_epoch!r}" in run_page
     finally:
-        os.killpg(ui.pid, signal.SIGTERM)
-        try:
-            ui.wait(30)
-        except subprocess.TimeoutExpired:  # its graceful stop outlasted 30 s of a loaded CI
-            os.killpg(ui.pid, signal.SIGKILL)
-            ui.wait()
+        processes.stop([ui])  # its graceful stop once outlasted 30 s of a loaded CI
 
 
 RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")  # a job's states before its end
