@@ -72,6 +72,11 @@ def test_step_times_follow_the_formulas_on_hand_made_numbers():
     assert step("parameter server", 0.0, one_per_host, links, 100, 200) == pytest.approx(2.0)
     slow_ps = dataclasses.replace(links, ps=200.0)
     assert step("parameter server", 0.0, one_per_host, slow_ps, 100, 200) == pytest.approx(4.0)
+    # synchronous: the ps link's 4 x 200 read bytes, then its 4 x 100 gradient
+    # bytes, come after one another and after the compute: 1 + 1200 / 1000
+    together = dataclasses.replace(one_per_host, synchronous=True)
+    assert step("parameter server", 0.0, together, links, 100, 200) == pytest.approx(2.2)
+    assert step("parameter server", 0.0, together, slow_ps, 100, 200) == pytest.approx(7.0)
     # colocated and even: each host link carries 225 B each way at 150 B/s = 1.5 s,
     # its worker 1 + 225 / 150 = 2.5 s on its own path
     even = dataclasses.replace(one_per_host, ps_shares=(0.25,) * 4)
@@ -266,7 +271,10 @@ def test_a_launcher_outside_the_experiments_hosts_refuses_their_conditions(overr
 
 def test_predict_prints_the_seeds_figures_beside_its_predictions():
     printed = run([sys.executable, "-m", "distrepro.predict", "experiment=aws_blog_8gpu"], REPO)
-    predicted = predict.predictions(compose_config(["experiment=aws_blog_8gpu"]))
+    seed = compose_config(["experiment=aws_blog_8gpu"])
+    predicted = predict.predictions(seed, synchronous=True)  # as the seed's blog ran it
+    assert predicted["parameter_server"] < predict.predictions(seed)["parameter_server"]
+    assert "(synchronous)" in printed.stdout
     for strategy, published in (("parameter_server", 4249), ("horovod", 5058)):
         line = next(line for line in printed.stdout.splitlines() if line.startswith(strategy))
         error = (predicted[strategy] - published) / published

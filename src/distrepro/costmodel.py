@@ -45,6 +45,12 @@ or its batch / a device's published img/s):
                         separate ps host's link is B_ps; a worker's own path
                         to a separate ps is B_w (its host's link, or within
                         one host its PCIe lanes).
+    synchronous         (TensorFlow 1.x's SyncReplicasOptimizer, not this
+                        project's: its ps training is asynchronous) all
+                        workers read at a step's start and send at its end,
+                        past a barrier, so no link's load is beside the
+                        compute: each link's is c + (max(read bytes sent,
+                        received) + max(gradient bytes sent, received)) / B.
 
 Host CPUs, where a host's CPUs are known (its vCPUs V, and the core-seconds
 the training asks of them: d per training image decoded and cropped, a per
@@ -107,6 +113,7 @@ class Setting:
     compute_s: float  # one worker's compute time per update
     ps_shares: tuple[float, ...] = ()  # colocated ps: the model's share on each worker's host
     reads: float = PS_READS
+    synchronous: bool = False  # a parameter server's workers step together (see the formulas)
 
 
 @dataclass(frozen=True)
@@ -135,12 +142,23 @@ def ring_bytes(workers: int, gradients: float) -> float:
 
 @dataclass(frozen=True)
 class HostLink:
-    """What one host's link carries in a parameter-server step."""
+    """What one host's link carries in a parameter-server step: the
+    variables' reads and the gradients, each way."""
 
     own: float  # bytes its worker reads and sends on its own path (0: a ps host)
-    sent: float
-    received: float
+    reads_sent: float
+    reads_received: float
+    gradients_sent: float
+    gradients_received: float
     link: str  # which of Links it is
+
+    @property
+    def sent(self) -> float:
+        return self.reads_sent + self.gradients_sent
+
+    @property
+    def received(self) -> float:
+        return self.reads_received + self.gradients_received
 
 
 def ps_links(setting: Setting, gradients: float, variables: float) -> list[HostLink]:
@@ -148,13 +166,15 @@ def ps_links(setting: Setting, gradients: float, variables: float) -> list[HostL
     the workers' hosts, then a separate ps host."""
     n, read = setting.workers, setting.reads * variables
     if not setting.ps_shares:
-        worker = HostLink(read + gradients, gradients, read, "worker_ps")
-        return [worker] * n + [HostLink(0.0, n * read, n * gradients, "ps")]
+        worker = HostLink(read + gradients, 0.0, read, gradients, 0.0, "worker_ps")
+        return [worker] * n + [HostLink(0.0, n * read, 0.0, 0.0, n * gradients, "ps")]
     return [
         HostLink(
             (read + gradients) * (1 - share),
-            gradients * (1 - share) + (n - 1) * read * share,
-            read * (1 - share) + (n - 1) * gradients * share,
+            (n - 1) * read * share,
+            read * (1 - share),
+            gradients * (1 - share),
+            (n - 1) * gradients * share,
             "hosts",
         )
         for share in setting.ps_shares
@@ -203,7 +223,12 @@ def step_time(
         for host in ps_links(setting, gradients, variables):
             rate = getattr(links, host.link)
             own = c + host.own / rate if host.own else 0.0
-            slowest = max(slowest, own, max(host.sent, host.received) / rate)
+            if setting.synchronous:
+                reads = max(host.reads_sent, host.reads_received)
+                load = c + (reads + max(host.gradients_sent, host.gradients_received)) / rate
+            else:
+                load = max(host.sent, host.received) / rate
+            slowest = max(slowest, own, load)
     if cpu is None:
         return slowest
     return max(slowest, cpu_time(exchange, setting, cpu, gradients, variables))

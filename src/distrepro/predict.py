@@ -14,6 +14,7 @@ the work of a vCPU of the machine that measured them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -70,15 +71,20 @@ def host_cpu(hardware: DictConfig, synthetic: bool) -> costmodel.HostCPU:
 
 
 def predictions(
-    cfg: DictConfig, device_img_s: float | None = None, synthetic: bool = False
+    cfg: DictConfig,
+    device_img_s: float | None = None,
+    synthetic: bool = False,
+    synchronous: bool = False,
 ) -> dict[str, float]:
     """Predicted img/s of every strategy in cfg's setting on cfg.hardware,
-    from its compute figure or `device_img_s`."""
+    from its compute figure or `device_img_s`; the parameter server's
+    workers stepping together when `synchronous` (as TensorFlow 1.x's did)."""
     hardware = cfg.hardware
     parameters = cfg.model.parameters
     gradients = costmodel.gradient_bytes(parameters, cfg.strategy.fp16_allreduce)
     variables = costmodel.variable_bytes(parameters)
     given = setting(cfg, device_img_s or hardware.device_img_s)
+    given = dataclasses.replace(given, synchronous=synchronous)
     between = links(hardware, hosts_of(cfg))
     cpu = host_cpu(hardware, synthetic)
     return {
@@ -119,10 +125,10 @@ def compute_inputs(hardware: DictConfig) -> dict[str, float]:
     }
 
 
-def sensitivity(cfg: DictConfig) -> list[str]:
+def sensitivity(cfg: DictConfig, synchronous: bool) -> list[str]:
     """The predictions under each compute input, side by side."""
     inputs = compute_inputs(cfg.hardware)
-    rows = {name: predictions(cfg, rate) for name, rate in inputs.items()}
+    rows = {name: predictions(cfg, rate, synchronous=synchronous) for name, rate in inputs.items()}
     lines = [f"{'under each compute input':<24}" + "".join(f"{n:>18}" for n in rows)]
     lines.append(f"{'(img/s a device)':<24}" + "".join(f"{r:>18,.1f}" for r in inputs.values()))
     for strategy in strategies.REGISTRY:
@@ -192,12 +198,15 @@ def main(cfg: DictConfig) -> None:
         print(f"note: hardware.device_img_s was measured with {hardware.device_model}")
     changed = any(o.startswith("hardware.") for o in HydraConfig.get().overrides.task)
     published = published_here(cfg, changed)
-    print("\n".join(table(predictions(cfg), published)))
+    synchronous = bool(published) and cfg.published.get("synchronous", False)
+    print("\n".join(table(predictions(cfg, synchronous=synchronous), published)))
     if published:
         print(f"published: {cfg.published.source}")
     elif cfg.published:
         print(f"(no published figure: they are for {dict(cfg.published.setting)} as published)")
-    print("\n" + "\n".join(sensitivity(cfg)))
+    if synchronous:
+        print("parameter_server: as published, its workers stepping together (synchronous)")
+    print("\n" + "\n".join(sensitivity(cfg, synchronous)))
     print("\nInputs and their sources:\n" + sources(HydraConfig.get().runtime.choices["hardware"]))
     print(cpu_inputs())
 
@@ -234,7 +243,9 @@ def checks(device_img_s: float | None = None) -> list[dict]:
                 ]
             )
             rate = device_img_s or (given["img_s"] if given else None)
-            predicted = predictions(cfg, rate, family.get("synthetic", False))[run["strategy"]]
+            predicted = predictions(
+                cfg, rate, family.get("synthetic", False), family.get("synchronous", False)
+            )[run["strategy"]]
             rows.append(
                 {
                     "source": family["source"],
