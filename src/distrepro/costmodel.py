@@ -45,10 +45,10 @@ or its batch / a device's published img/s):
                         separate ps host's link is B_ps; a worker's own path
                         to a separate ps is B_w (its host's link, or within
                         one host its PCIe lanes).
-    synchronous         (TensorFlow 1.x's SyncReplicasOptimizer, not this
-                        project's: its ps training is asynchronous) all
-                        workers read at a step's start and send at its end,
-                        past a barrier, so no link's load is beside the
+    synchronous         (as TensorFlow 1.x ran it, SyncReplicasOptimizer's
+                        barrier; not this project's, which is asynchronous)
+                        all workers read at a step's start and send at its
+                        end, past a barrier, so no link's load is beside the
                         compute: each link's is c + (max(read bytes sent,
                         received) + max(gradient bytes sent, received)) / B.
 

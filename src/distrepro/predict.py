@@ -83,8 +83,9 @@ def predictions(
     parameters = cfg.model.parameters
     gradients = costmodel.gradient_bytes(parameters, cfg.strategy.fp16_allreduce)
     variables = costmodel.variable_bytes(parameters)
-    given = setting(cfg, device_img_s or hardware.device_img_s)
-    given = dataclasses.replace(given, synchronous=synchronous)
+    given = dataclasses.replace(
+        setting(cfg, device_img_s or hardware.device_img_s), synchronous=synchronous
+    )
     between = links(hardware, hosts_of(cfg))
     cpu = host_cpu(hardware, synthetic)
     return {
