@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +41,9 @@ from input_benchmark import one_thread
 from omegaconf import DictConfig
 
 import distrepro  # noqa: F401  (sets TF_USE_LEGACY_KERAS first)
+from distrepro import processes
 from distrepro.config import compose_config
 from distrepro.prepare import prepare
-from distrepro.processes import free_ports
 
 PASSES = 10
 PS_PAIRS = 5  # ps task and worker processes, each pair for a fifth of the passes
@@ -104,9 +104,9 @@ def ps_task(shapes: list) -> Iterator[Callable[[], dict[str, float]]]:
     variables."""
     import tensorflow as tf
 
-    ps_address, worker_address = (f"127.0.0.1:{port}" for port in free_ports(2))
+    ps_address, worker_address = (f"127.0.0.1:{port}" for port in processes.free_ports(2))
     last = max(os.sched_getaffinity(0))
-    task = subprocess.Popen(
+    task = processes.start(  # ends with this process, however it ends
         ["taskset", "-c", str(last), sys.executable, "-c", PS_TASK, ps_address, worker_address]
     )
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -115,8 +115,7 @@ def ps_task(shapes: list) -> Iterator[Callable[[], dict[str, float]]]:
         tf.config.experimental_connect_to_cluster(cluster, job_name="worker", protocol="grpc")
         yield ps_pass(task.pid, shapes)
     finally:
-        task.kill()
-        task.wait()
+        processes.stop([task])
 
 
 def ps_pass(pid: int, shapes: list) -> Callable[[], dict[str, float]]:
@@ -147,7 +146,7 @@ def ps_pass(pid: int, shapes: list) -> Callable[[], dict[str, float]]:
 
     apply(), serve(), done()  # the first of each traces it and sets up its channels
     ps = psutil.Process(pid)
-    update_bytes = sum(shape.num_elements() for shape in shapes) * 4
+    update_bytes = sum(math.prod(shape) for shape in shapes) * 4
 
     def one_pass() -> dict[str, float]:
         costs = {}
@@ -162,12 +161,8 @@ def ps_pass(pid: int, shapes: list) -> Callable[[], dict[str, float]]:
     return one_pass
 
 
-def ps_passes(count: int) -> dict[str, list[float]]:
+def ps_passes(count: int, shapes: list[list[int]]) -> dict[str, list[float]]:
     """`count` passes of a ps task and its worker (this process) of their own."""
-    from distrepro.training.models import build_model
-
-    model = build_model(compose_config(["model=resnet50"]).model, 224, 1000)
-    shapes = [v.shape for v in model.trainable_variables]
     passes = {}
     with ps_task(shapes) as one_ps_pass:
         for _ in range(count):
@@ -180,12 +175,16 @@ def measure(images: int) -> dict[str, list[float]]:
     """Every figure's passes, taken in turn so that the machine's slower
     spells fall on all of them; the ps task's from PS_PAIRS pairs of
     processes, as its cost per byte differs from one pair to the next."""
+    from distrepro.training.models import build_model
+
+    model = build_model(compose_config(["model=resnet50"]).model, 224, 1000)
+    shapes = [v.shape.as_list() for v in model.trainable_variables]
     passes = {"decode_s_per_image": []}
     with tempfile.TemporaryDirectory() as tmp:
         data_cfg = photos(Path(tmp), images)
         for _ in range(PS_PAIRS):
             with multiprocessing.get_context("spawn").Pool(1) as pair:
-                for key, values in pair.apply(ps_passes, (PASSES // PS_PAIRS,)).items():
+                for key, values in pair.apply(ps_passes, (PASSES // PS_PAIRS, shapes)).items():
                     passes.setdefault(key, []).extend(values)
             for _ in range(PASSES // PS_PAIRS):
                 passes["decode_s_per_image"].append(decode_pass(data_cfg, images))
