@@ -27,7 +27,7 @@ from mlflow.entities import LoggedModelStatus
 from omegaconf import errors as omegaconf_errors
 from test_setup import V100, stand_in
 
-from distrepro import parents, processes
+from distrepro import parents, processes, tracking
 from distrepro.config import compose_config, run_name
 from distrepro.launch import ConfigError, validate
 from distrepro.strategies import REGISTRY
@@ -179,12 +179,22 @@ def wait_for(paths, seconds: float) -> None:
         time.sleep(0.2)
 
 
-def kill_the_launcher_at(args: list[str], checkpoint: Path | str) -> None:
-    """Start the launcher; once `checkpoint` (a glob) is written, kill -9 the
+def logged_epochs(results: Path, epochs: int):
+    """The runs under results whose MLflow run has `epochs` epochs: each was
+    checkpointed before it was logged."""
+    return lambda: [
+        count
+        for count in results.glob(f"*/{tracking.LOGGED_EPOCHS}")
+        if count.read_text() == str(epochs)
+    ]
+
+
+def kill_the_launcher_at(args: list[str], ready) -> None:
+    """Start the launcher; once `ready()` lists something, kill -9 the
     launcher alone; within 10 s no process of the run is left."""
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL)
     try:
-        wait_for(lambda: Path("/").glob(str(checkpoint).lstrip("/")), 300)
+        wait_for(ready, 300)
         assert training_processes(), "the run had no training process"
         proc.kill()
     finally:
@@ -208,10 +218,9 @@ def test_a_killed_launcher_leaves_no_process_and_the_run_resumes(
     run, past a newest checkpoint that a crash left short."""
     results = tmp_path / "runs"
     overrides = (f"strategy={strategy}", "train.epochs=3")
-    last = damaged or "ckpt-1"
     kill_the_launcher_at(
         launch_args(digits_tfrecords, results, *overrides),
-        results / f"*/checkpoints/{last}.index",
+        logged_epochs(results, 2 if damaged else 1),
     )
     (run_dir,) = results.iterdir()
     assert not (run_dir / "metrics.json").exists()
@@ -310,8 +319,6 @@ class TrackingServer:
 
 
 def test_an_epoch_logged_again_after_a_lost_answer_is_kept_once(tmp_path, mlflow_uri):
-    from distrepro import tracking
-
     client = mlflow.MlflowClient(mlflow_uri)
     run = client.create_run(tracking.ensure_experiment("distrepro")).info.run_id
     (tmp_path / tracking.RUN_ID_FILE).write_text(run)
