@@ -14,7 +14,6 @@ the work of a vCPU of the machine that measured them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -32,7 +31,7 @@ from distrepro.config import CONF_DIR, compose_config
 CPU_COSTS = CONF_DIR.parent / "benchmarks" / "cpu_costs.json"  # benchmarks/cpu_costs.py
 
 
-def setting(cfg: DictConfig, device_img_s: float) -> costmodel.Setting:
+def setting(cfg: DictConfig, device_img_s: float, synchronous: bool) -> costmodel.Setting:
     hardware, workers = cfg.hardware, cfg.strategy.num_workers
     per_worker = cfg.train.global_batch_size / workers
     return costmodel.Setting(
@@ -40,6 +39,7 @@ def setting(cfg: DictConfig, device_img_s: float) -> costmodel.Setting:
         workers_per_host=hardware.workers_per_host,
         global_batch=cfg.train.global_batch_size,
         compute_s=per_worker / device_img_s,
+        synchronous=synchronous,
     )
 
 
@@ -83,9 +83,7 @@ def predictions(
     parameters = cfg.model.parameters
     gradients = costmodel.gradient_bytes(parameters, cfg.strategy.fp16_allreduce)
     variables = costmodel.variable_bytes(parameters)
-    given = dataclasses.replace(
-        setting(cfg, device_img_s or hardware.device_img_s), synchronous=synchronous
-    )
+    given = setting(cfg, device_img_s or hardware.device_img_s, synchronous)
     between = links(hardware, hosts_of(cfg))
     cpu = host_cpu(hardware, synthetic)
     return {
